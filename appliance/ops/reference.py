@@ -1,0 +1,170 @@
+"""Pure-torch reference implementations of every kernel: the oracle native kernels are held to.
+
+KV cache layout (owned by the attention backend, see ``kv_cache_shape``): for one layer,
+``key_cache`` and ``value_cache`` are each ``[num_blocks, num_kv_heads, block_size, head_size]``.
+One block of one KV head is a contiguous ``block_size x head_size`` tile, which is what a CPU
+kernel wants to stream through.
+
+Batch layout for attention (vLLM's "varlen" convention): the step's tokens are packed, sequence
+after sequence; ``query_start_loc[b]:query_start_loc[b+1]`` are sequence b's new tokens and
+``seq_lens[b]`` its total context length *including* them, so query i of sequence b sits at
+position ``seq_lens[b] - q_len_b + i`` and attends to positions ``0..that position``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+    """Shape of one layer's key (or value) cache."""
+    return (num_blocks, num_kv_heads, block_size, head_size)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, slot = block_id * block_size + offset
+) -> None:
+    """Write each token's K and V into its slot. Negative slots are skipped (padding)."""
+    block_size = key_cache.shape[2]
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping % block_size
+    key_cache[block_ids, :, offsets] = key.to(key_cache.dtype)
+    value_cache[block_ids, :, offsets] = value.to(value_cache.dtype)
+
+
+def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """[num_kv_heads, length, head_size] for one sequence, in position order."""
+    blocks = cache.index_select(0, block_ids)  # [n, H, BS, D]
+    n, h, bs, d = blocks.shape
+    return blocks.permute(1, 0, 2, 3).reshape(h, n * bs, d)[:, :length]
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including this step's tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its whole paged context.
+
+    The new tokens' K/V must already be in the cache (``reshape_and_cache`` first).
+    Returns ``[num_tokens, num_heads, head_size]`` in ``query``'s dtype. Math in float32.
+    """
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    num_seqs = len(lens)
+    q_lens = [qsl[i + 1] - qsl[i] for i in range(num_seqs)]
+    if max_query_len is None:
+        max_query_len = max(q_lens, default=0)
+
+    decode = [i for i in range(num_seqs) if q_lens[i] == 1]
+    if max_query_len == 1 and decode:
+        # All-decode batch: one padded, vectorized gather + two batched matmuls.
+        max_len = max(lens)
+        nb = (max_len + block_size - 1) // block_size
+        bt = block_table[:, :nb].long()
+        k = key_cache[bt].permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, nb * block_size, head_size)
+        v = value_cache[bt].permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, nb * block_size, head_size)
+        q = query[qsl[0]:qsl[-1]].float().view(num_seqs, num_kv_heads, group, head_size)
+        scores = torch.matmul(q, k.float().transpose(-1, -2)) * scale  # [B, Hkv, G, L]
+        pos = torch.arange(nb * block_size, device=query.device)
+        mask = pos[None, :] >= seq_lens.to(query.device).long()[:, None]  # [B, L]
+        scores.masked_fill_(mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.matmul(probs, v.float())  # [B, Hkv, G, D]
+        out[qsl[0]:qsl[-1]] = o.reshape(num_seqs, num_heads, head_size).to(query.dtype)
+        return out
+
+    for i in range(num_seqs):
+        q_len, ctx = q_lens[i], lens[i]
+        if q_len == 0:
+            continue
+        nb = (ctx + block_size - 1) // block_size
+        ids = block_table[i, :nb].long()
+        k = _gather_context(key_cache, ids, ctx).float()  # [Hkv, ctx, D]
+        v = _gather_context(value_cache, ids, ctx).float()
+        q = query[qsl[i]:qsl[i + 1]].float().permute(1, 0, 2)  # [H, q_len, D]
+        q = q.reshape(num_kv_heads, group * q_len, head_size)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [Hkv, G*q_len, ctx]
+        q_pos = torch.arange(ctx - q_len, ctx, device=query.device).repeat(group)
+        k_pos = torch.arange(ctx, device=query.device)
+        scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.matmul(probs, v).view(num_heads, q_len, head_size).permute(1, 0, 2)
+        out[qsl[i]:qsl[i + 1]] = o.to(query.dtype)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim; math in float32."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual += x; return rms_norm(residual), residual``. Updates ``residual`` in place."""
+    residual.add_(x)
+    return rms_norm(residual, weight, eps), residual
+
+
+def rotary_cos_sin_cache(inv_freq: torch.Tensor, max_position: int, dtype=torch.float32) -> torch.Tensor:
+    """``[max_position, rotary_dim]``: cos in the first half, sin in the second."""
+    t = torch.arange(max_position, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq.float())
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim]
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate the first ``rotary_dim`` dims of q and k. neox: halves; gptj: interleaved pairs."""
+    rotary_dim = cos_sin_cache.shape[-1]
+    cs = cos_sin_cache.index_select(0, positions.long())
+    cos, sin = cs.chunk(2, dim=-1)  # [T, rotary_dim/2]
+    cos, sin = cos[:, None, :].float(), sin[:, None, :].float()
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        xr, xp = x[..., :rotary_dim].float(), x[..., rotary_dim:]
+        if is_neox:
+            x1, x2 = xr.chunk(2, dim=-1)
+            o = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        else:
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]
+            o = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        return torch.cat([o.to(x.dtype), xp], dim=-1) if xp.shape[-1] else o.to(x.dtype)
+
+    return rot(query), rot(key)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` where the last dim is ``2d``."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def softmax_scale(head_size: int) -> float:
+    return 1.0 / math.sqrt(head_size)
