@@ -1,0 +1,96 @@
+"""One frozen config tree (rule 1). Values known only at run time, such as the number of KV blocks,
+are returned by the model runner and never written back here.
+
+This module is the only reader of ``APPLIANCE_*`` environment variables for engine settings.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from appliance.errors import InvalidRequestError
+
+DTYPES = ("auto", "float32", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "native", "reference")
+
+
+def _positive(name: str, value, allow_none: bool = False):
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidRequestError(f"{name} must be an integer >= 1, got {value!r}", param=name)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built from. ``model`` None means the embedded default model."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    block_size: int = 16
+    kv_cache_memory: float | None = None  # GiB; None: a safe fraction of available RAM
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests force preemption with it)
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0  # 0: no extra per-request cap beyond the budget
+    attention_backend: str = "auto"
+    seed: int = 0
+    num_threads: int | None = None
+    device: str = "cpu"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}", "dtype")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise InvalidRequestError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {self.attention_backend!r}",
+                "attention_backend",
+            )
+        _positive("block_size", self.block_size)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_model_len", self.max_model_len, allow_none=True)
+        _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
+        if self.long_prefill_token_threshold < 0:
+            raise InvalidRequestError(
+                f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}",
+                "long_prefill_token_threshold",
+            )
+        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
+            raise InvalidRequestError(
+                f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}", "kv_cache_memory"
+            )
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from keyword arguments, filling unset ones from ``APPLIANCE_<NAME>`` env vars."""
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        for name, f in names.items():
+            if name in kwargs or name == "extra":
+                continue
+            env = os.environ.get(f"APPLIANCE_{name.upper()}")
+            if env is not None:
+                kwargs[name] = _parse_env(env, f.type)
+        return cls(**kwargs)
+
+
+def _parse_env(value: str, type_name) -> object:
+    t = str(type_name)
+    if "bool" in t:
+        return value.lower() in ("1", "true", "yes", "on")
+    if "int" in t:
+        return int(value)
+    if "float" in t:
+        return float(value)
+    return value

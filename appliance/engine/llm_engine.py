@@ -1,0 +1,275 @@
+"""The engine: requests in, one scheduler step at a time, outputs out.
+
+``add_request`` validates and tokenizes; ``step`` schedules, runs the model, samples, appends tokens,
+detokenizes, checks stop conditions and returns a ``RequestOutput`` for every request that changed.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from appliance.config import EngineConfig
+from appliance.engine.detokenizer import IncrementalDetokenizer
+from appliance.engine.kv_cache_manager import KVCacheManager
+from appliance.engine.model_runner import ModelRunner
+from appliance.engine.request import FINISH_REASON, Request, RequestStatus
+from appliance.engine.sampler import Sampler, top_logprobs
+from appliance.engine.scheduler import Scheduler
+from appliance.errors import InvalidRequestError, ModelLoadError
+from appliance.sampling_params import SamplingParams
+
+log = logging.getLogger("appliance")
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detoks: list[IncrementalDetokenizer]
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "float32":
+        return torch.float32
+    if name == "bfloat16":
+        return torch.bfloat16
+    from appliance.runtime.cpu_features import detect
+
+    return torch.bfloat16 if detect().native_bf16 else torch.float32
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from transformers import AutoTokenizer
+
+        from appliance.models.default_model import resolve_model
+        from appliance.models.loader import model_info
+
+        self.config = config
+        self.device = torch.device(config.device)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_path = resolve_model(config.model)
+        self.info = model_info(self.model_path)
+        limit = self.info.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise InvalidRequestError(
+                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit} "
+                f"({self.model_path / 'config.json'})", "max_model_len")
+        self.max_model_len = config.max_model_len or limit
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or self.model_path))
+        except Exception as e:  # tokenizers raise many types for missing/corrupt files
+            raise ModelLoadError(f"{config.tokenizer or self.model_path}: cannot load tokenizer ({e})") from e
+        self.dtype = resolve_dtype(config.dtype)
+        self.runner = ModelRunner(config, self.info, self.dtype, self.max_model_len, self.device)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.long_prefill_token_threshold)
+        self.sampler = Sampler(self.device, config.seed)
+        self.vocab_size = self.runner.vocab_size
+        self.eos_token_ids = self.info.eos_token_ids or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        self.parents: dict[str, _Parent] = {}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
+                      "forward_s": 0.0, "step_s": 0.0}
+        self._next_id = 0
+
+    # -- requests -------------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def new_request_id(self) -> str:
+        self._next_id += 1
+        return str(self._next_id - 1)
+
+    def add_request(self, request_id: str | None, prompt: str | list[int] | None,
+                    params: SamplingParams | None = None) -> str:
+        """Validate, tokenize and queue a request. Raises InvalidRequestError (nothing is queued)."""
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = self.new_request_id()
+        if request_id in self.parents:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in flight", "request_id")
+        if isinstance(prompt, str):
+            text = prompt
+            ids = self.tokenize(prompt) if prompt else []
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}", "prompt")
+        else:
+            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                                      "prompt")
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        n_prompt = len(ids)
+        if n_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt is {n_prompt} tokens; this model's context (max_model_len) is {self.max_model_len} "
+                f"tokens, leaving no room to generate", "prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+        if n_prompt + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"max_tokens={max_tokens} plus the prompt's {n_prompt} tokens is {n_prompt + max_tokens}, "
+                f"beyond max_model_len={self.max_model_len}", "max_tokens")
+        need = self.kv.blocks_needed(n_prompt + max_tokens)
+        if need > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"prompt ({n_prompt}) + max_tokens ({max_tokens}) needs {need} KV blocks of "
+                f"{self.config.block_size} tokens; the whole KV cache has {self.kv.num_blocks}", "max_tokens")
+        children, detoks = [], []
+        for i in range(params.n):
+            sp = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(Request(rid, ids, sp, () if sp.ignore_eos else self.eos_token_ids, max_tokens,
+                                    parent_id=request_id, index=i))
+            detoks.append(IncrementalDetokenizer(self.tokenizer, ids, sp.skip_special_tokens, sp.stop_strings,
+                                                 sp.include_stop_str_in_output))
+        self.parents[request_id] = _Parent(request_id, text, ids, children, detoks)
+        for c in children:
+            self.scheduler.add_request(c)
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            parent = self.parents.pop(rid, None)
+            if parent is None:
+                continue
+            for c in parent.children:
+                if not c.is_finished:
+                    self.scheduler.finish_request(c.request_id, RequestStatus.FINISHED_ABORTED)
+                self.sampler.forget(c.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        plp_rows = [i for i, (r, _) in enumerate(sched.scheduled)
+                    if r.prompt_logprobs is not None and r.num_computed_tokens < r.num_prompt_tokens]
+        t1 = time.perf_counter()
+        logits, plp = self.runner.execute(sched, plp_rows)
+        t2 = time.perf_counter()
+        for i in plp_rows:
+            self._record_prompt_logprobs(*sched.scheduled[i], plp[i])
+        sampled = self.scheduler.update_computed(sched)
+        touched: dict[str, _Parent] = {}
+        if sampled:
+            results = self.sampler(logits, sampled)
+            now = time.monotonic()
+            for req, res in zip(sampled, results):
+                self._append(req, res, now)
+                touched[req.parent_id] = self.parents[req.parent_id]
+        outputs = [self._output(p) for p in touched.values()]
+        for o in outputs:
+            if o.finished:
+                del self.parents[o.request_id]
+        self.stats["steps"] += 1
+        self.stats["prompt_tokens"] += sum(n for r, n in sched.scheduled if r.num_computed_tokens - n < r.num_prompt_tokens)
+        self.stats["generation_tokens"] += len(sampled)
+        self.stats["forward_s"] += t2 - t1
+        self.stats["step_s"] += time.perf_counter() - t0
+        return outputs
+
+    def _record_prompt_logprobs(self, req: Request, n: int, lp: torch.Tensor) -> None:
+        start = req.num_computed_tokens  # before this step's update
+        k = req.sampling_params.prompt_logprobs
+        for j in range(n):
+            nxt = start + j + 1  # the token position whose logprob row j predicts
+            if nxt >= req.num_prompt_tokens or nxt < len(req.prompt_logprobs):
+                continue  # past the prompt, or already recorded before a preemption
+            req.prompt_logprobs.append(top_logprobs(lp[j], req.all_token_ids[nxt], k))
+
+    def _append(self, req: Request, res, now: float) -> None:
+        tok = res.token_id
+        req.append_token(tok)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if req.logprobs is not None:
+            req.logprobs.append(res.logprobs)
+            req.cumulative_logprob += res.sampled_logprob
+        parent = self.parents[req.parent_id]
+        detok = parent.detoks[req.index]
+        detok.add_tokens([tok])
+        sp = req.sampling_params
+        status = None
+        if req.num_output_tokens >= sp.min_tokens:
+            if tok in req.eos_token_ids:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
+            elif tok in sp.stop_token_ids:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+            elif detok.stopped_by is not None:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stopped_by
+        if status is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            detok.flush()
+            if detok.stopped_by is not None and status == RequestStatus.FINISHED_LENGTH:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stopped_by
+            self.scheduler.finish_request(req.request_id, status)
+            self.sampler.forget(req.request_id)
+
+    def _output(self, p: _Parent) -> RequestOutput:
+        outs = []
+        for req, detok in zip(p.children, p.detoks):
+            fin = req.is_finished
+            outs.append(CompletionOutput(
+                index=req.index, text=detok.visible_text(fin), token_ids=req.output_token_ids,
+                cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+                logprobs=list(req.logprobs) if req.logprobs is not None else None,
+                finish_reason=FINISH_REASON.get(req.status), stop_reason=req.stop_reason))
+        first = p.children[0]
+        return RequestOutput(
+            request_id=p.request_id, prompt=p.prompt, prompt_token_ids=p.prompt_token_ids, outputs=outs,
+            finished=all(o.finished for o in outs), prompt_logprobs=first.prompt_logprobs,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time})
+
+    # -- introspection -------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        self.scheduler.check()
+
+    def kv_cache_usage(self) -> float:
+        return self.kv.pool.usage

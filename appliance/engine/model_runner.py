@@ -1,0 +1,120 @@
+"""The model runner: the only place that turns a schedule into tensors. Owns the model and the
+preallocated KV cache. Device-agnostic: everything is created on ``self.device``."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import psutil
+import torch
+
+from appliance.config import EngineConfig
+from appliance.engine.scheduler import SchedulerOutput
+from appliance.layers.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from appliance.models.loader import ModelInfo, load_model
+from appliance.ops import get_ops
+
+log = logging.getLogger("appliance")
+
+GiB = 1 << 30
+DEFAULT_KV_FRACTION = 0.25  # of available RAM
+DEFAULT_KV_CAP_GIB = 4.0
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, info: ModelInfo, dtype: torch.dtype, max_model_len: int,
+                 device: torch.device):
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        self.model = load_model(info, dtype, device)
+        self.ops = get_ops(config.attention_backend)
+        self.model.prepare(self.ops, max_model_len, device)
+        cfg = self.model.config
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads, self.head_size = cfg.num_key_value_heads, cfg.head_dim
+        self.vocab_size = cfg.vocab_size
+        self.num_blocks = self._num_blocks(config)
+        shape = self.ops.kv_cache_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        # Zeroed once: positions past a sequence's length are masked, but must never hold NaN.
+        self.kv_cache = torch.zeros((self.num_layers, 2, *shape), dtype=dtype, device=device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * elem
+
+    def _num_blocks(self, config: EngineConfig) -> int:
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        if config.kv_cache_memory is not None:
+            budget = config.kv_cache_memory * GiB
+        else:
+            budget = min(DEFAULT_KV_FRACTION * psutil.virtual_memory().available, DEFAULT_KV_CAP_GIB * GiB)
+        n = int(budget // self.bytes_per_block)
+        if n < 1:
+            raise ValueError(f"kv_cache_memory={budget / GiB:.3f} GiB holds no KV block "
+                             f"(one block needs {self.bytes_per_block / GiB:.6f} GiB)")
+        return n
+
+    def _inputs(self, sched: SchedulerOutput):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        qsl = [0]
+        logits_idx: list[int] = []
+        max_blocks = 0
+        any_context = False
+        for req, n in sched.scheduled:
+            start = req.num_computed_tokens
+            end = start + n
+            input_ids.extend(req.all_token_ids[start:end])
+            bt = req.block_ids
+            if n == 1:
+                positions.append(start)
+                slots.append(bt[start // bs] * bs + start % bs)
+            else:
+                pos = np.arange(start, end)
+                positions.extend(pos.tolist())
+                slots.extend((np.asarray(bt, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
+            any_context |= start > 0
+            seq_lens.append(end)
+            qsl.append(qsl[-1] + n)
+            max_blocks = max(max_blocks, len(bt))
+            if end == req.num_tokens:
+                logits_idx.append(qsl[-1] - 1)
+        table = np.zeros((len(sched.scheduled), max_blocks), dtype=np.int32)
+        for i, (req, _) in enumerate(sched.scheduled):
+            table[i, : len(req.block_ids)] = req.block_ids
+        dev = self.device
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_table=torch.from_numpy(table).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
+            max_seq_len=max(seq_lens),
+            is_prefill_only=not any_context,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        return ids, pos, md, logits_idx
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, prompt_logprob_rows: dict[int, tuple[int, int]] | None = None):
+        """Run one step. Returns (logits [num_sampling_requests, vocab] float32, and for each batch
+        index in ``prompt_logprob_rows`` the float32 log-softmax of every position of its chunk)."""
+        ids, pos, md, logits_idx = self._inputs(sched)
+        with set_forward_context(ForwardContext(md, self.kv_caches, self.ops)):
+            hidden = self.model(ids, pos)
+        logits = self.model.compute_logits(hidden[logits_idx]) if logits_idx else None
+        extra = {}
+        if prompt_logprob_rows:
+            qsl = md.query_start_loc.tolist()
+            for i in prompt_logprob_rows:
+                extra[i] = torch.log_softmax(self.model.compute_logits(hidden[qsl[i]:qsl[i + 1]]), dim=-1)
+        return logits, extra

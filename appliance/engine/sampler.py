@@ -1,0 +1,138 @@
+"""Batched sampling: penalties, min_tokens, greedy, temperature / top-k / top-p / min-p, per-request
+seeds, and logprobs of the raw model distribution (as vLLM reports them).
+
+A seeded request draws its noise from its own ``torch.Generator``, advanced once per step of that
+request, so its output does not depend on what else is in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from appliance.engine.request import Request
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    # {token_id: logprob} with the sampled token and the top-k alternatives; None unless asked for
+    logprobs: dict[int, float] | None
+    sampled_logprob: float | None
+
+
+def top_logprobs(logprobs_row: torch.Tensor, token_id: int, k: int) -> dict[int, float]:
+    out = {}
+    if k > 0:
+        vals, ids = torch.topk(logprobs_row, k)
+        out = dict(zip(ids.tolist(), vals.tolist()))
+    out[token_id] = float(logprobs_row[token_id])
+    return out
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.request_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.request_generators.pop(request_id, None)
+
+    def _generator(self, req: Request) -> torch.Generator:
+        g = self.request_generators.get(req.request_id)
+        if g is None:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(req.sampling_params.seed)
+            self.request_generators[req.request_id] = g
+        return g
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+        for i, req in enumerate(reqs):
+            sp = req.sampling_params
+            out_ids = req.output_token_ids
+            if sp.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=logits.device)
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+            if (sp.presence_penalty or sp.frequency_penalty) and out_ids:
+                ids = torch.tensor(out_ids, dtype=torch.long, device=logits.device)
+                counts = torch.bincount(ids, minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
+                logits[i] -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(logits.dtype)
+            if req.num_output_tokens < sp.min_tokens:
+                banned = list(req.eos_token_ids) + list(sp.stop_token_ids)
+                if banned:
+                    logits[i, torch.tensor(banned, dtype=torch.long, device=logits.device)] = float("-inf")
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
+        """logits: float32 [len(reqs), vocab] for the last position of each request."""
+        n = len(reqs)
+        raw_logprobs = None
+        if any(r.sampling_params.logprobs is not None for r in reqs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        need_penalty = [
+            r.sampling_params.repetition_penalty != 1.0 or r.sampling_params.presence_penalty
+            or r.sampling_params.frequency_penalty or r.num_output_tokens < r.sampling_params.min_tokens
+            for r in reqs
+        ]
+        if any(need_penalty):
+            logits = logits.clone()
+            rows = [i for i in range(n) if need_penalty[i]]
+            sub = logits[rows]
+            self._apply_penalties(sub, [reqs[i] for i in rows])
+            logits[rows] = sub
+
+        token_ids = [0] * n
+        greedy = [i for i in range(n) if reqs[i].sampling_params.greedy]
+        if greedy:
+            g = logits[greedy].argmax(dim=-1).tolist() if len(greedy) < n else logits.argmax(dim=-1).tolist()
+            for i, t in zip(greedy, g):
+                token_ids[i] = t
+        random_rows = [i for i in range(n) if not reqs[i].sampling_params.greedy]
+        if random_rows:
+            for i, t in zip(random_rows, self._sample(logits[random_rows], [reqs[i] for i in random_rows])):
+                token_ids[i] = t
+
+        results = []
+        for i, req in enumerate(reqs):
+            k = req.sampling_params.logprobs
+            if k is None:
+                results.append(SampleResult(token_ids[i], None, None))
+            else:
+                d = top_logprobs(raw_logprobs[i], token_ids[i], k)
+                results.append(SampleResult(token_ids[i], d, d[token_ids[i]]))
+        return results
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+        dev = logits.device
+        temps = torch.tensor([r.sampling_params.temperature for r in reqs], dtype=logits.dtype, device=dev)
+        logits = logits / temps[:, None]
+        top_ks = [r.sampling_params.top_k for r in reqs]
+        top_ps = [r.sampling_params.top_p for r in reqs]
+        if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            vocab = logits.shape[-1]
+            k = torch.tensor([k if k > 0 else vocab for k in top_ks], device=dev)
+            ranks = torch.arange(vocab, device=dev)[None, :]
+            drop = ranks >= k[:, None]
+            probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+            # drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token)
+            before = probs.cumsum(dim=-1) - probs
+            drop |= before >= torch.tensor(top_ps, dtype=probs.dtype, device=dev)[:, None]
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        probs = torch.softmax(logits, dim=-1)
+        min_ps = [r.sampling_params.min_p for r in reqs]
+        if any(m > 0 for m in min_ps):
+            m = torch.tensor(min_ps, dtype=probs.dtype, device=dev)[:, None]
+            probs = probs.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values, 0.0)
+        # Gumbel-style sampling: argmax(p / q) with q ~ Exp(1) draws from p.
+        q = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(reqs) if r.sampling_params.seed is None]
+        if unseeded:
+            q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(generator=self.generator)
+        for i, r in enumerate(reqs):
+            if r.sampling_params.seed is not None:
+                q[i].exponential_(generator=self._generator(r))
+        return (probs / q).argmax(dim=-1).tolist()

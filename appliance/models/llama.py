@@ -1,0 +1,200 @@
+"""The Llama family as plain PyTorch: Llama 2/3.x (and SmolLM2), Mistral, Qwen2 (q/k/v bias) and
+Qwen3 (per-head q/k RMSNorm). One module, switched by a few architecture facts.
+
+Tokens are packed: ``input_ids`` and ``positions`` are ``[num_tokens]`` for the whole step; the
+attention layer reads the batch layout from the forward context.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from appliance.layers.attention import Attention
+from appliance.layers.linear import Linear
+from appliance.layers.norm import RMSNorm
+from appliance.layers.rotary import build_inv_freq
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What differs between the architectures this file serves."""
+
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+
+ARCHS = {
+    "LlamaForCausalLM": ArchSpec(),
+    "MistralForCausalLM": ArchSpec(),
+    "Qwen2ForCausalLM": ArchSpec(qkv_bias=True),
+    "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
+}
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, hf: dict, arch: ArchSpec) -> "LlamaConfig":
+        heads = hf["num_attention_heads"]
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope or None,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=arch.qkv_bias or bool(hf.get("attention_bias", False)),
+            qk_norm=arch.qk_norm,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+        )
+
+
+class Rotary:
+    """cos/sin cache as a plain tensor (not a buffer) so meta-device construction leaves it intact."""
+
+    def __init__(self, cfg: LlamaConfig, max_position: int, device: torch.device):
+        inv_freq, _ = build_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        self.cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_idx: int):
+        super().__init__()
+        d = cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias, shards={
+            "q_proj": (0, self.q_size),
+            "k_proj": (self.q_size, self.kv_size),
+            "v_proj": (self.q_size + self.kv_size, self.kv_size),
+        })
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, layer_idx)
+
+    def forward(self, ops, rotary: Rotary, positions, x):
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(ops, q)
+            k = self.k_norm(ops, k)
+        q, k = ops.rotary_embedding(positions, q, k, rotary.cos_sin_cache, True)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * i, bias=cfg.mlp_bias,
+                                   shards={"gate_proj": (0, i), "up_proj": (i, i)})
+        self.down_proj = Linear(i, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, ops, x):
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, ops, rotary, positions, x, residual):
+        if residual is None:
+            residual = x.clone()
+            x = self.input_layernorm(ops, x)
+        else:
+            x, residual = self.input_layernorm(ops, x, residual)
+        x = self.self_attn(ops, rotary, positions, x)
+        x, residual = self.post_attention_layernorm(ops, x, residual)
+        return self.mlp(ops, x), residual
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Model(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.rotary: Rotary | None = None
+        self.ops = None
+
+    def prepare(self, ops, max_position: int, device: torch.device) -> None:
+        """After weights are loaded: pick the ops module and build the rotary cache."""
+        self.ops = ops
+        self.rotary = Rotary(self.config, max_position, device)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        ops = self.ops
+        x = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer in self.model.layers:
+            x, residual = layer(ops, self.rotary, positions, x, residual)
+        x, _ = self.model.norm(ops, x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> float32 logits [n, vocab]."""
+        return torch.matmul(hidden, self.lm_head_weight().t()).float()
+
+    def param_for(self, name: str) -> tuple[str, str | None]:
+        """Map a checkpoint tensor name to (parameter name, shard of a fused weight or None)."""
+        for shard in ("q_proj", "k_proj", "v_proj"):
+            if f".self_attn.{shard}." in name:
+                return name.replace(f".{shard}.", ".qkv_proj."), shard
+        for shard in ("gate_proj", "up_proj"):
+            if f".mlp.{shard}." in name:
+                return name.replace(f".{shard}.", ".gate_up_proj."), shard
+        return name, None

@@ -1,0 +1,83 @@
+"""SamplingParams, mirroring vLLM's so users can switch in either direction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from appliance.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top alternatives returned beside the sampled token
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    _stop: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self):
+        def bad(param, msg):
+            raise InvalidRequestError(f"{param} {msg}", param=param)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.temperature is None or not self.temperature >= 0:
+            bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        if self.top_p is None or not (0 < self.top_p <= 1):
+            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", f"must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not (0 <= self.min_p <= 1):
+            bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if not (-2 <= self.presence_penalty <= 2):
+            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
+        if not (-2 <= self.frequency_penalty <= 2):
+            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty!r}")
+        if not self.repetition_penalty > 0:
+            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 0 or v > 20):
+                bad(name, f"must be an integer in [0, 20], got {v!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", f"must be an integer, got {self.seed!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not isinstance(s, str) or s == "" for s in stop):
+            bad("stop", f"must be non-empty strings, got {stop!r}")
+        self._stop = stop
+        ids = list(self.stop_token_ids or [])
+        if any(not isinstance(t, int) or t < 0 for t in ids):
+            bad("stop_token_ids", f"must be non-negative integers, got {ids!r}")
+        self.stop_token_ids = ids
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def clone(self, **changes) -> "SamplingParams":
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("_")}
+        d.update(changes)
+        return SamplingParams(**d)

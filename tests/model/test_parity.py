@@ -1,0 +1,91 @@
+"""Greedy output and logits against transformers on tiny random-weight models (float32)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from appliance import LLM, SamplingParams
+from appliance.engine.request import Request
+from appliance.engine.scheduler import SchedulerOutput
+
+PROMPTS = [
+    "The quick brown fox",
+    "Paris is the capital of France. Hello world! Héllo wörld, ünïcode ✓ 東京 and a longer tail of words",
+    "def f(x): return x * 2",
+    "Hello",
+]
+CASES = [
+    ("llama", False, 2),
+    ("llama", True, 2),  # tied embeddings
+    ("llama", False, 1),  # MQA
+    ("llama", False, 4),  # MHA
+    ("mistral", False, 2),
+    ("qwen2", False, 2),  # q/k/v bias
+    ("qwen3", False, 2),  # q/k norm, head_dim != hidden / heads
+]
+MAX_NEW = 24
+
+
+def hf_greedy(path, prompts_ids, max_new):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    outs = []
+    for ids in prompts_ids:
+        g = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                        max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        outs.append(g[0, len(ids):].tolist())
+    return hf, outs
+
+
+def engine_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """Last-token logits of one prompt through the engine's runner (prefill of the whole prompt)."""
+    eng = llm.engine
+    req = Request("logits-probe", ids, SamplingParams(max_tokens=1), (), 1)
+    assert eng.kv.allocate_slots(req, len(ids))
+    try:
+        logits, _ = eng.runner.execute(SchedulerOutput([(req, len(ids))], len(ids)))
+    finally:
+        eng.kv.free(req)
+    return logits[0]
+
+
+@pytest.mark.parametrize("arch,tie,kv", CASES)
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_greedy_and_logits_match_transformers(tiny_model_dir, arch, tie, kv, backend):
+    path = tiny_model_dir(arch, tie, kv)
+    llm = LLM(str(path), dtype="float32", attention_backend=backend, num_kv_blocks=128)
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(p) for p in PROMPTS]
+    outs = llm.generate(prompt_token_ids=ids,
+                        sampling_params=SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    hf, ref = hf_greedy(path, ids, MAX_NEW)
+    for o, r in zip(outs, ref):
+        assert o.outputs[0].token_ids == r
+        assert o.outputs[0].finish_reason == "length"
+    for p in ids:
+        with torch.no_grad():
+            ref_logits = hf(torch.tensor([p])).logits[0, -1].float()
+        got = engine_logits(llm, p)
+        torch.testing.assert_close(got, ref_logits, atol=1e-4, rtol=0)
+    llm.engine.check_integrity()
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_llama3_rope_scaling_matches_transformers(tiny_model_dir):
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    path = tiny_model_dir("llama", rope_scaling=scaling, rope_theta=500000.0)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=128)
+    ids = llm.get_tokenizer().encode(PROMPTS[1] * 3)
+    assert len(ids) > 64  # past the original context, where the scaling matters
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(engine_logits(llm, ids), ref, atol=1e-4, rtol=0)
+
+
+def test_max_model_len_defaults_to_max_position_embeddings(llama_dir):
+    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=64)
+    assert llm.engine.max_model_len == 512
+    small = LLM(str(llama_dir), dtype="float32", num_kv_blocks=64, max_model_len=100)
+    assert small.engine.max_model_len == 100

@@ -1,0 +1,63 @@
+"""Tiny random-weight models built from transformers config classes and saved with save_pretrained,
+plus a tokenizer, so every test runs with no hub access."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB = 384
+
+
+def _tokenizer_files(path: Path) -> None:
+    """A byte-level BPE tokenizer trained on a few sentences (vocab 384), saved as tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",
+              "Hello world! Héllo wörld, ünïcode ✓ 東京", "def f(x): return x * 2"] * 50
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                          "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    fast.save_pretrained(str(path))
+
+
+def make_tiny_model(path: Path, arch: str = "llama", tie: bool = False, num_kv_heads: int = 2,
+                    seed: int = 0, **overrides) -> Path:
+    """Write a tiny random model of the given family to ``path``. Returns ``path``."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=512,
+                  tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common.update(overrides)
+    cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+    }[arch]
+    if arch == "qwen3":
+        common.setdefault("head_dim", 16)
+    if arch == "mistral":
+        common.setdefault("sliding_window", None)
+    torch.manual_seed(seed)
+    cfg = cls[0](**common)
+    model = cls[1](cfg).to(torch.float32)
+    with torch.no_grad():  # larger-than-default weights so logits are far from uniform
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+            else:  # norm weights and biases: perturb so they are not all ones / zeros
+                p.add_(torch.randn_like(p) * 0.05)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    _tokenizer_files(path)
+    return path
