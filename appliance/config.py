@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from appliance.errors import InvalidRequestError
 
@@ -94,3 +95,9 @@ def _parse_env(value: str, type_name) -> object:
     if "float" in t:
         return float(value)
     return value
+
+
+def cache_dir() -> Path:
+    """Where converted models and built kernels live: ``$APPLIANCE_CACHE_DIR``, else ``~/.cache/appliance``."""
+    env = os.environ.get("APPLIANCE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "appliance"

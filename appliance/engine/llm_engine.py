@@ -194,6 +194,8 @@ class LLMEngine:
         t2 = time.perf_counter()
         for i in plp_rows:
             self._record_prompt_logprobs(*sched.scheduled[i], plp[i])
+        self.stats["prompt_tokens"] += sum(max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens)
+                                               - r.num_computed_tokens) for r, n in sched.scheduled)
         sampled = self.scheduler.update_computed(sched)
         touched: dict[str, _Parent] = {}
         if sampled:
@@ -207,7 +209,6 @@ class LLMEngine:
             if o.finished:
                 del self.parents[o.request_id]
         self.stats["steps"] += 1
-        self.stats["prompt_tokens"] += sum(n for r, n in sched.scheduled if r.num_computed_tokens - n < r.num_prompt_tokens)
         self.stats["generation_tokens"] += len(sampled)
         self.stats["forward_s"] += t2 - t1
         self.stats["step_s"] += time.perf_counter() - t0
@@ -230,9 +231,7 @@ class LLMEngine:
         if req.logprobs is not None:
             req.logprobs.append(res.logprobs)
             req.cumulative_logprob += res.sampled_logprob
-        parent = self.parents[req.parent_id]
-        detok = parent.detoks[req.index]
-        detok.add_tokens([tok])
+        detok = self.parents[req.parent_id].detoks[req.index]
         sp = req.sampling_params
         status = None
         if req.num_output_tokens >= sp.min_tokens:
@@ -240,13 +239,16 @@ class LLMEngine:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
             elif tok in sp.stop_token_ids:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
-            elif detok.stopped_by is not None:
+        # A stopping token's own text is not part of the output (as in vLLM), unless asked for.
+        if status is None or sp.include_stop_str_in_output:
+            detok.add_tokens([tok])
+            if status is None and detok.stopped_by is not None and req.num_output_tokens >= sp.min_tokens:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stopped_by
         if status is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             detok.flush()
-            if detok.stopped_by is not None and status == RequestStatus.FINISHED_LENGTH:
+            if status == RequestStatus.FINISHED_LENGTH and detok.stopped_by is not None:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stopped_by
             self.scheduler.finish_request(req.request_id, status)
             self.sampler.forget(req.request_id)

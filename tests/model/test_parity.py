@@ -6,8 +6,7 @@ import torch
 import transformers
 
 from appliance import LLM, SamplingParams
-from appliance.engine.request import Request
-from appliance.engine.scheduler import SchedulerOutput
+from helpers import engine_logits
 
 PROMPTS = [
     "The quick brown fox",
@@ -35,18 +34,6 @@ def hf_greedy(path, prompts_ids, max_new):
                         max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
         outs.append(g[0, len(ids):].tolist())
     return hf, outs
-
-
-def engine_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Last-token logits of one prompt through the engine's runner (prefill of the whole prompt)."""
-    eng = llm.engine
-    req = Request("logits-probe", ids, SamplingParams(max_tokens=1), (), 1)
-    assert eng.kv.allocate_slots(req, len(ids))
-    try:
-        logits, _ = eng.runner.execute(SchedulerOutput([(req, len(ids))], len(ids)))
-    finally:
-        eng.kv.free(req)
-    return logits[0]
 
 
 @pytest.mark.parametrize("arch,tie,kv", CASES)
