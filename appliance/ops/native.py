@@ -1,0 +1,411 @@
+"""Native CPU kernels (``native/neon_sve``): the same functions, signatures and semantics as
+``appliance.ops.reference``, backed by a C++ torch extension.
+
+The kernels are plain C++17 over raw pointers, one portable ``generic`` version plus ISA variants
+(x86: ``avx2``, ``avx512``, ``avx512bf16``; Arm: ``neon``, ``neon_bf16`` with BFMMLA, ``sve``).
+The extension picks the best variant the CPU supports once, at load time; ``APPLIANCE_KERNELS=<name>``
+overrides it. Cases a kernel does not cover (a head size that is not a multiple of 16, float16
+tensors, exotic layouts) fall back to the reference, so engines can swap the two modules freely.
+
+Build: ``python -m appliance.ops.native --build`` (no network; needs a C++ compiler; uses ninja through
+torch's JIT builder when installed, else calls the compiler directly).
+The build is cached under ``$APPLIANCE_CACHE_DIR/native`` (default ``~/.cache/appliance/native``)
+in a directory keyed by the torch version, Python, machine and a hash of the kernel sources, so
+a source change rebuilds. On import nothing is built unless ``APPLIANCE_NATIVE_BUILD=1``: an
+unbuilt extension makes ``is_available()`` false (the engine then uses the reference).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import logging
+import os
+import platform
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Iterator
+
+import torch
+
+from appliance.ops import reference
+from appliance.ops.reference import kv_cache_shape, rotary_cos_sin_cache, softmax_scale  # noqa: F401
+
+logger = logging.getLogger(__name__)
+
+EXTENSION_NAME = "appliance_native"
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def source_dir() -> Path:
+    """``native/neon_sve`` of the source tree (``APPLIANCE_NATIVE_SRC`` overrides)."""
+    env = os.environ.get("APPLIANCE_NATIVE_SRC")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "native" / "neon_sve"
+
+
+def _sources(src: Path) -> list[Path]:
+    files = [src / "bindings" / "torch_bindings.cpp", src / "dispatch" / "dispatch.cpp"]
+    files += sorted((src / "src").glob("*/*.cpp"))
+    return files
+
+
+def _source_hash(src: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(src.rglob("*")):
+        if p.is_file() and p.suffix in (".cpp", ".h", ".inc") and "harness" not in p.parts:
+            h.update(str(p.relative_to(src)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    cache = Path(os.environ.get("APPLIANCE_CACHE_DIR", Path.home() / ".cache" / "appliance"))
+    tag = (
+        f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info.major}{sys.version_info.minor}"
+        f"-{platform.machine()}-{_source_hash(source_dir())}"
+    )
+    return cache / "native" / tag
+
+
+# No -march: variants carry their ISA in target pragmas and the dispatcher checks the CPU, so the
+# same build runs on every machine of the architecture.
+_CFLAGS = ["-O3", "-fopenmp", "-Wno-maybe-uninitialized"]
+
+
+def _include_dirs(src: Path) -> list[str]:
+    return [str(src / "include"), str(src / "src" / "x86"), str(src / "src" / "neon")]
+
+
+def build(verbose: bool = False) -> ModuleType:
+    """Compile (or reuse) the extension and import it: torch's JIT builder when ninja is
+    installed, else a direct compiler invocation (same flags, no ninja needed)."""
+    from torch.utils import cpp_extension
+
+    src = source_dir()
+    if not (src / "include" / "appliance_kernels.h").exists():
+        raise RuntimeError(f"native kernel sources not found at {src} (set APPLIANCE_NATIVE_SRC)")
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    if not cpp_extension.is_ninja_available() or os.environ.get("APPLIANCE_NATIVE_NO_NINJA"):
+        _build_without_ninja(src, out, verbose)
+        mod = _import_built()
+        assert mod is not None
+        return mod
+    return cpp_extension.load(
+        name=EXTENSION_NAME,
+        sources=[str(p) for p in _sources(src)],
+        extra_include_paths=_include_dirs(src),
+        extra_cflags=_CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(out),
+        verbose=verbose,
+    )
+
+
+def _build_without_ninja(src: Path, out: Path, verbose: bool) -> None:
+    import subprocess
+    import sysconfig
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch.utils import cpp_extension
+
+    target = out / f"{EXTENSION_NAME}.so"
+    if target.exists():  # the directory name already keys the sources
+        return
+    cxx = os.environ.get("CXX", "c++")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = [
+        "-fPIC", "-std=c++17", *_CFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-DTORCH_EXTENSION_NAME={EXTENSION_NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+        *[f"-I{d}" for d in _include_dirs(src)],
+        *[f"-isystem{d}" for d in cpp_extension.include_paths()],
+        f"-isystem{sysconfig.get_paths()['include']}",
+    ]
+
+    def compile_one(path: Path) -> Path:
+        obj = out / f"{path.parent.name}_{path.stem}.o"
+        cmd = [cxx, *flags, "-c", str(path), "-o", str(obj)]
+        if verbose:
+            print(" ".join(cmd), flush=True)
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"compiling {path.name} failed:\n{r.stderr[-4000:]}")
+        return obj
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        objs = list(pool.map(compile_one, _sources(src)))
+    libs = [f"-L{d}" for d in cpp_extension.library_paths()] + ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
+    tmp = out / f"{EXTENSION_NAME}.so.tmp{os.getpid()}"
+    r = subprocess.run([cxx, "-shared", "-fopenmp", *map(str, objs), *libs, "-o", str(tmp)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"linking {EXTENSION_NAME} failed:\n{r.stderr[-4000:]}")
+    os.replace(tmp, target)  # atomic: a concurrent reader never sees a half-written library
+
+
+def _import_built() -> ModuleType | None:
+    path = build_dir() / f"{EXTENSION_NAME}.so"
+    if not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location(EXTENSION_NAME, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_lock = threading.Lock()
+_ext: ModuleType | None = None
+_reason: str | None = None
+
+
+def _load() -> ModuleType | None:
+    global _ext, _reason
+    if _ext is not None or _reason is not None:
+        return _ext
+    with _lock:
+        if _ext is not None or _reason is not None:
+            return _ext
+        try:
+            mod = _import_built()
+            if mod is None:
+                if os.environ.get("APPLIANCE_NATIVE_BUILD", "0") in ("", "0"):
+                    _reason = (
+                        f"not built for this source tree ({build_dir()} missing); run "
+                        "`python -m appliance.ops.native --build` or set APPLIANCE_NATIVE_BUILD=1"
+                    )
+                    return None
+                mod = build()
+            _ext = mod
+            logger.info(
+                "native kernels: %s selected (available: %s; cpu: %s)",
+                mod.kernel_variant(), ", ".join(mod.available_variants()), mod.cpu_features(),
+            )
+        except Exception as e:  # a failed build or import leaves the reference in charge
+            _reason = f"{type(e).__name__}: {e}"
+    return _ext
+
+
+def is_available() -> bool:
+    return _load() is not None
+
+
+def unavailable_reason() -> str:
+    _load()
+    return _reason or ""
+
+
+def _require() -> ModuleType:
+    mod = _load()
+    if mod is None:
+        raise RuntimeError(f"native kernels unavailable: {_reason}")
+    return mod
+
+
+def kernel_variant() -> str:
+    """Name of the variant in use (``generic``, ``avx2``, ``avx512``, ``avx512bf16``, ``neon``,
+    ``neon_bf16``, ``sve``)."""
+    return _require().kernel_variant()
+
+
+def available_variants() -> list[str]:
+    """Variants this CPU can run, best first (always ends with ``generic``)."""
+    return list(_require().available_variants())
+
+
+def cpu_features() -> str:
+    return _require().cpu_features()
+
+
+def set_variant(name: str) -> None:
+    """Switch the process-wide variant (tests force each one). Raises if the CPU lacks it."""
+    if not _require().set_variant(name):
+        raise ValueError(
+            f"kernel variant {name!r} is not available on this CPU; available: {available_variants()}"
+        )
+
+
+@contextlib.contextmanager
+def use_variant(name: str) -> Iterator[None]:
+    prev = kernel_variant()
+    set_variant(name)
+    try:
+        yield
+    finally:
+        set_variant(prev)
+
+
+def exp_approx(x: torch.Tensor) -> torch.Tensor:
+    """The variant's vectorized polynomial exp (float32), exposed to test its error bound."""
+    y = x.detach().to(torch.float32).contiguous().clone()
+    _require().exp_(y)
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops: same signatures as reference.py.
+
+
+def _native_ok(*tensors: torch.Tensor) -> bool:
+    return (_ext is not None or _load() is not None) and all(t.device.type == "cpu" for t in tensors)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's K and V into its slot. Negative slots are skipped (padding)."""
+    if (
+        not _native_ok(key, key_cache)
+        or key.dtype not in _SUPPORTED_DTYPES
+        or value.dtype != key.dtype
+        or key_cache.dtype not in _SUPPORTED_DTYPES
+        or key.dim() != 3
+        or key.stride(-1) != 1
+        or value.stride(-1) != 1
+        or not key_cache.is_contiguous()
+        or not value_cache.is_contiguous()
+    ):
+        return reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    _ext.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.to(torch.int64).contiguous())
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its whole paged context (see
+    ``reference.paged_attention``). ``[num_tokens, num_heads, head_size]`` in query's dtype."""
+    head_size = query.shape[-1]
+    if (
+        not _native_ok(query, key_cache)
+        or query.dim() != 3
+        or query.dtype not in _SUPPORTED_DTYPES
+        or key_cache.dtype not in _SUPPORTED_DTYPES
+        or value_cache.dtype != key_cache.dtype
+        or head_size % 16 != 0
+        or query.shape[1] % key_cache.shape[1] != 0
+        or not key_cache.is_contiguous()
+        or not value_cache.is_contiguous()
+    ):
+        return reference.paged_attention(
+            query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, max_query_len
+        )
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype)
+    bt = block_table if block_table.dtype == torch.int32 and block_table.stride(-1) == 1 else (
+        block_table.to(torch.int32).contiguous()
+    )
+    _ext.paged_attention(
+        query, key_cache, value_cache, bt,
+        seq_lens.to(torch.int32).contiguous(), query_start_loc.to(torch.int32).contiguous(),
+        float(scale), out,
+    )
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim; math in float32."""
+    if not _native_ok(x) or x.dtype not in _SUPPORTED_DTYPES or weight.dtype not in _SUPPORTED_DTYPES:
+        return reference.rms_norm(x, weight, eps)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _ext.rms_norm(x, weight.contiguous(), float(eps), out)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual += x; return rms_norm(residual), residual``. Updates ``residual`` in place."""
+    if (
+        not _native_ok(x, residual)
+        or x.dtype not in _SUPPORTED_DTYPES
+        or residual.dtype not in _SUPPORTED_DTYPES
+        or weight.dtype not in _SUPPORTED_DTYPES
+        or not residual.is_contiguous()
+        or x.shape != residual.shape
+    ):
+        return reference.fused_add_rms_norm(x, residual, weight, eps)
+    out = torch.empty_like(residual)
+    _ext.fused_add_rms_norm(x.contiguous(), residual, weight.contiguous(), float(eps), out)
+    return out, residual
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate the first ``rotary_dim`` dims of q and k (new tensors). neox: halves; gptj: pairs."""
+    rot_dim = cos_sin_cache.shape[-1]
+    if (
+        not _native_ok(query, key)
+        or query.dim() != 3
+        or key.dim() != 3
+        or query.dtype not in _SUPPORTED_DTYPES
+        or key.dtype not in _SUPPORTED_DTYPES
+        or rot_dim % 2 != 0
+        or rot_dim > min(query.shape[-1], key.shape[-1])
+    ):
+        return reference.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
+    cs = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
+    cs = cs.contiguous()
+    pos = positions.to(torch.int64).contiguous()
+    q = query.clone(memory_format=torch.contiguous_format)
+    k = key.clone(memory_format=torch.contiguous_format)
+    _ext.rotary_embedding_(pos, q, cs, bool(is_neox))
+    _ext.rotary_embedding_(pos, k, cs, bool(is_neox))
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` where the last dim is ``2d``."""
+    if not _native_ok(x) or x.dtype not in _SUPPORTED_DTYPES or x.shape[-1] % 2 != 0:
+        return reference.silu_and_mul(x)
+    x = x.contiguous()
+    out = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=x.dtype)
+    _ext.silu_and_mul(x, out)
+    return out
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m appliance.ops.native", description=__doc__.split("\n")[0])
+    p.add_argument("--build", action="store_true", help="compile the extension (cached) and report")
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args(argv)
+    global _ext, _reason
+    if args.build:
+        try:
+            _ext, _reason = build(verbose=args.verbose), None
+        except Exception as e:
+            print(f"native kernels: build failed: {e}", file=sys.stderr)
+            return 1
+    if not is_available():
+        print(f"native kernels: unavailable: {unavailable_reason()}", file=sys.stderr)
+        return 1
+    print(f"native kernels: {build_dir()}")
+    print(f"  cpu: {cpu_features()}")
+    print(f"  selected: {kernel_variant()}  available: {', '.join(available_variants())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

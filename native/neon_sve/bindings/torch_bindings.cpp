@@ -1,0 +1,169 @@
+// Thin torch binding over the torch-free kernels: checks what the kernels assume (dtypes,
+// contiguity, shapes) and passes raw pointers. Choosing whether a call goes native at all (head
+// size, dtypes) is appliance/ops/native.py's job; these checks only guard memory safety.
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+#include "appliance_kernels.h"
+
+namespace ak = appliance_kernels;
+
+namespace {
+
+int dtype_of(const torch::Tensor& t, const char* what) {
+  if (t.scalar_type() == torch::kFloat32) return ak::kF32;
+  if (t.scalar_type() == torch::kBFloat16) return ak::kBF16;
+  TORCH_CHECK(false, what, " must be float32 or bfloat16, got ", t.scalar_type());
+  return -1;
+}
+
+const ak::KernelTable* K() { return ak::selected_kernels(); }
+
+void paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
+                     const torch::Tensor& value_cache, const torch::Tensor& block_table,
+                     const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
+                     double scale, torch::Tensor& out) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out: [num_tokens, num_heads, head_size]");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out: head_size dim must be contiguous");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out must have query's dtype");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes(),
+              "key_cache/value_cache: contiguous [num_blocks, num_kv_heads, block_size, head_size]");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "key/value cache dtypes differ");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.dim() == 2 &&
+                  block_table.stride(1) == 1, "block_table: int32 [num_seqs, max_blocks], rows contiguous");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens: contiguous int32");
+  TORCH_CHECK(query_start_loc.scalar_type() == torch::kInt32 && query_start_loc.is_contiguous(),
+              "query_start_loc: contiguous int32");
+  const int num_seqs = (int)seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_table.size(0) >= num_seqs,
+              "query_start_loc must have num_seqs + 1 entries and block_table num_seqs rows");
+  const int num_heads = (int)query.size(1), head_size = (int)query.size(2);
+  const int num_kv_heads = (int)key_cache.size(1);
+  TORCH_CHECK(key_cache.size(3) == head_size, "cache head_size ", key_cache.size(3), " != query's ", head_size);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(head_size % 16 == 0, "native paged_attention needs head_size % 16 == 0, got ", head_size);
+  ak::AttentionArgs a{};
+  a.query = query.data_ptr();
+  a.q_stride_token = query.stride(0);
+  a.q_stride_head = query.stride(1);
+  a.q_dtype = dtype_of(query, "query");
+  a.out = out.data_ptr();
+  a.o_stride_token = out.stride(0);
+  a.o_stride_head = out.stride(1);
+  a.key_cache = key_cache.data_ptr();
+  a.value_cache = value_cache.data_ptr();
+  a.kv_dtype = dtype_of(key_cache, "key_cache");
+  a.block_table = block_table.data_ptr<int32_t>();
+  a.block_table_stride = block_table.stride(0);
+  a.seq_lens = seq_lens.data_ptr<int32_t>();
+  a.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  a.num_seqs = num_seqs;
+  a.num_heads = num_heads;
+  a.num_kv_heads = num_kv_heads;
+  a.head_size = head_size;
+  a.block_size = (int)key_cache.size(2);
+  a.scale = (float)scale;
+  K()->paged_attention(a);
+}
+
+void exp_(torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "exp_: contiguous float32");
+  K()->exp_inplace(x.data_ptr<float>(), x.numel());
+}
+
+void rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Tensor& out) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && weight.is_contiguous(), "rms_norm: contiguous tensors");
+  const int64_t hidden = x.size(-1);
+  TORCH_CHECK(weight.numel() == hidden && out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
+              "rms_norm: weight [hidden], out like x");
+  K()->rms_norm(x.data_ptr(), dtype_of(x, "x"), weight.data_ptr(), dtype_of(weight, "weight"),
+                out.data_ptr(), x.numel() / hidden, hidden, (float)eps);
+}
+
+void fused_add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
+                        double eps, torch::Tensor& out) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && out.is_contiguous() && weight.is_contiguous(),
+              "fused_add_rms_norm: contiguous tensors");
+  const int64_t hidden = residual.size(-1);
+  TORCH_CHECK(x.sizes() == residual.sizes() && out.sizes() == residual.sizes() && weight.numel() == hidden &&
+                  out.scalar_type() == residual.scalar_type(),
+              "fused_add_rms_norm: x, residual, out of one shape; weight [hidden]");
+  K()->fused_add_rms_norm(x.data_ptr(), dtype_of(x, "x"), residual.data_ptr(), dtype_of(residual, "residual"),
+                          weight.data_ptr(), dtype_of(weight, "weight"), out.data_ptr(),
+                          residual.numel() / hidden, hidden, (float)eps);
+}
+
+void rotary_embedding_(const torch::Tensor& positions, torch::Tensor& x, const torch::Tensor& cos_sin,
+                       bool is_neox) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "rotary: x contiguous [num_tokens, num_heads, head_size]");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() &&
+                  positions.numel() == x.size(0), "rotary: positions int64 [num_tokens]");
+  TORCH_CHECK(cos_sin.scalar_type() == torch::kFloat32 && cos_sin.is_contiguous() && cos_sin.dim() == 2,
+              "rotary: cos_sin_cache float32 [max_position, rotary_dim]");
+  const int rot_dim = (int)cos_sin.size(1);
+  TORCH_CHECK(rot_dim % 2 == 0 && rot_dim <= x.size(2), "rotary: rotary_dim even and <= head_size");
+  K()->rotary_embedding(positions.data_ptr<int64_t>(), x.data_ptr(), dtype_of(x, "x"), x.size(0),
+                        (int)x.size(1), (int)x.size(2), cos_sin.data_ptr<float>(), rot_dim, is_neox);
+}
+
+void silu_and_mul(const torch::Tensor& x, torch::Tensor& out) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && x.scalar_type() == out.scalar_type(),
+              "silu_and_mul: contiguous x/out of one dtype");
+  const int64_t d = x.size(-1) / 2;
+  TORCH_CHECK(x.size(-1) == 2 * d && out.size(-1) == d && out.numel() * 2 == x.numel(),
+              "silu_and_mul: x [..., 2d] -> out [..., d]");
+  K()->silu_and_mul(x.data_ptr(), out.data_ptr(), dtype_of(x, "x"), out.numel() / std::max<int64_t>(d, 1), d);
+}
+
+void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
+                       torch::Tensor& value_cache, const torch::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.stride(2) == 1 && value.stride(2) == 1,
+              "reshape_and_cache: key/value [num_tokens, num_kv_heads, head_size], last dim contiguous");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type(), "reshape_and_cache: key/value dtypes differ");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.scalar_type() == value_cache.scalar_type(), "reshape_and_cache: contiguous caches");
+  TORCH_CHECK(key_cache.size(1) == key.size(1) && key_cache.size(3) == key.size(2), "reshape_and_cache: shapes");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == key.size(0), "reshape_and_cache: slot_mapping int64 [num_tokens]");
+  const int64_t slots = key_cache.size(0) * key_cache.size(2);
+  if (slot_mapping.numel() > 0)
+    TORCH_CHECK(slot_mapping.max().item<int64_t>() < slots, "reshape_and_cache: slot out of range (", slots, " slots)");
+  K()->reshape_and_cache(key.data_ptr(), value.data_ptr(), dtype_of(key, "key"), key.stride(0), key.stride(1),
+                         value.stride(0), value.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
+                         dtype_of(key_cache, "key_cache"), slot_mapping.data_ptr<int64_t>(), key.size(0),
+                         (int)key.size(1), (int)key.size(2), (int)key_cache.size(2));
+}
+
+std::string kernel_variant() { return K()->name; }
+
+std::vector<std::string> available_variants() {
+  const ak::KernelTable* list[8];
+  const int n = ak::available_kernels(list, 8);
+  std::vector<std::string> names;
+  for (int i = 0; i < n; ++i) names.push_back(list[i]->name);
+  return names;
+}
+
+bool set_variant(const std::string& name) { return ak::select_kernels(name.c_str()); }
+
+std::string cpu_features() { return ak::cpu_features_string(); }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "appliance native kernels (native/neon_sve)";
+  m.def("paged_attention", &paged_attention);
+  m.def("exp_", &exp_);
+  m.def("rms_norm", &rms_norm);
+  m.def("fused_add_rms_norm", &fused_add_rms_norm);
+  m.def("rotary_embedding_", &rotary_embedding_);
+  m.def("silu_and_mul", &silu_and_mul);
+  m.def("reshape_and_cache", &reshape_and_cache);
+  m.def("kernel_variant", &kernel_variant);
+  m.def("available_variants", &available_variants);
+  m.def("set_variant", &set_variant);
+  m.def("cpu_features", &cpu_features);
+}

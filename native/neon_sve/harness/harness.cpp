@@ -1,0 +1,421 @@
+// Standalone test harness (no torch): builds with the kernels for any target, notably
+// aarch64 under qemu (tests/arm64). Holds every variant the CPU supports against the generic
+// version (and the generic attention against a naive double-precision one) on attention
+// (decode, prefill, chunked prefill, mixed batches; GQA 1/4/8; fp32 and bf16 caches; several
+// head and block sizes), reshape_and_cache, RMSNorm, fused add+RMSNorm, rotary, SiLU-and-mul and
+// the polynomial exp's error bound.
+//
+//   harness [--expect-variants a,b,c] [--expect-selected name]
+// Prints one line per check and "RESULT: OK" (exit 0) or "RESULT: FAIL" (exit 1).
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "appliance_kernels.h"
+#include "kernel_common.h"
+
+using namespace appliance_kernels;
+using common::bf16_to_f32;
+using common::f32_to_bf16;
+
+namespace {
+
+int g_failures = 0;
+int g_checks = 0;
+
+struct Rng {
+  uint64_t s;
+  explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 1) {}
+  uint32_t next() {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    return (uint32_t)(s >> 11);
+  }
+  float uniform() { return (next() & 0xFFFFFF) / float(0x1000000); }
+  float normal() {
+    float u1 = uniform() + 1e-7f, u2 = uniform();
+    return std::sqrt(-2.f * std::log(u1)) * std::cos(6.2831853f * u2);
+  }
+};
+
+// A tensor of float32 or bf16 values held as bytes; vals() is its float view.
+struct Buf {
+  int dtype = kF32;
+  std::vector<float> f;
+  std::vector<uint16_t> h;
+  Buf(size_t n, int dt, float fill = 0.f) : dtype(dt) {
+    if (dt == kF32)
+      f.assign(n, fill);
+    else
+      h.assign(n, f32_to_bf16(fill));
+  }
+  void set(size_t i, float v) {
+    if (dtype == kF32)
+      f[i] = v;
+    else
+      h[i] = f32_to_bf16(v);
+  }
+  float get(size_t i) const { return dtype == kF32 ? f[i] : bf16_to_f32(h[i]); }
+  void* data() { return dtype == kF32 ? (void*)f.data() : (void*)h.data(); }
+  size_t size() const { return dtype == kF32 ? f.size() : h.size(); }
+};
+
+bool close_enough(const std::vector<float>& got, const std::vector<float>& want, double atol,
+                  double rtol, double* max_err) {
+  bool ok = got.size() == want.size();
+  double m = 0;
+  for (size_t i = 0; ok && i < got.size(); ++i) {
+    const double e = std::fabs((double)got[i] - (double)want[i]);
+    if (!(e <= atol + rtol * std::fabs((double)want[i]))) ok = false;
+    if (!(e <= m)) m = e;
+  }
+  *max_err = m;
+  return ok;
+}
+
+void report(bool ok, const char* variant, const std::string& what, double err) {
+  ++g_checks;
+  if (!ok) ++g_failures;
+  std::printf("%s %-10s %-58s max_abs_err=%.3g\n", ok ? "PASS" : "FAIL", variant, what.c_str(), err);
+}
+
+// ------------------------------------------------------------------------------------------
+// attention
+
+struct AttnCase {
+  std::vector<std::pair<int, int>> seqs;  // (q_len, ctx)
+  int heads, kv_heads, head_size, block_size, kv_dtype, q_dtype;
+};
+
+struct AttnData {
+  Buf q, kc, vc;
+  std::vector<int32_t> bt, seq_lens, qsl;
+  int bt_stride = 0, num_tokens = 0;
+  AttnData(const AttnCase& c, uint64_t seed) : q(0, c.q_dtype), kc(0, c.kv_dtype), vc(0, c.kv_dtype) {
+    Rng rng(seed);
+    std::vector<int> nbs;
+    int total = 0;
+    for (auto& s : c.seqs) {
+      nbs.push_back((s.second + c.block_size - 1) / c.block_size);
+      total += nbs.back();
+      bt_stride = std::max(bt_stride, nbs.back() + 1);
+    }
+    const int num_blocks = total + 5;
+    std::vector<int> perm(num_blocks);
+    for (int i = 0; i < num_blocks; ++i) perm[i] = i;
+    for (int i = num_blocks - 1; i > 0; --i) std::swap(perm[i], perm[rng.next() % (i + 1)]);
+    const size_t tile = (size_t)c.block_size * c.head_size;
+    kc = Buf((size_t)num_blocks * c.kv_heads * tile, c.kv_dtype, 37.f);  // garbage off-context
+    vc = Buf((size_t)num_blocks * c.kv_heads * tile, c.kv_dtype, -53.f);
+    bt.assign((size_t)c.seqs.size() * bt_stride, -1);
+    int used = 0;
+    qsl.push_back(0);
+    for (size_t s = 0; s < c.seqs.size(); ++s) {
+      const int ctx = c.seqs[s].second;
+      for (int b = 0; b < nbs[s]; ++b) {
+        const int blk = perm[used++];
+        bt[s * bt_stride + b] = blk;
+        const int n = std::min(c.block_size, ctx - b * c.block_size);
+        for (int h = 0; h < c.kv_heads; ++h)
+          for (int t = 0; t < n; ++t)
+            for (int d = 0; d < c.head_size; ++d) {
+              const size_t i = (((size_t)blk * c.kv_heads + h) * c.block_size + t) * c.head_size + d;
+              kc.set(i, rng.normal());
+              vc.set(i, rng.normal());
+            }
+      }
+      seq_lens.push_back(ctx);
+      qsl.push_back(qsl.back() + c.seqs[s].first);
+    }
+    num_tokens = qsl.back();
+    q = Buf((size_t)num_tokens * c.heads * c.head_size, c.q_dtype);
+    for (size_t i = 0; i < q.size(); ++i) q.set(i, 1.5f * rng.normal());
+  }
+};
+
+std::vector<float> run_attention(const KernelTable* kt, const AttnCase& c, AttnData& d) {
+  Buf out((size_t)d.num_tokens * c.heads * c.head_size, c.q_dtype);
+  AttentionArgs a{};
+  a.query = d.q.data();
+  a.q_stride_token = (int64_t)c.heads * c.head_size;
+  a.q_stride_head = c.head_size;
+  a.q_dtype = c.q_dtype;
+  a.out = out.data();
+  a.o_stride_token = a.q_stride_token;
+  a.o_stride_head = a.q_stride_head;
+  a.key_cache = d.kc.data();
+  a.value_cache = d.vc.data();
+  a.kv_dtype = c.kv_dtype;
+  a.block_table = d.bt.data();
+  a.block_table_stride = d.bt_stride;
+  a.seq_lens = d.seq_lens.data();
+  a.query_start_loc = d.qsl.data();
+  a.num_seqs = (int)c.seqs.size();
+  a.num_heads = c.heads;
+  a.num_kv_heads = c.kv_heads;
+  a.head_size = c.head_size;
+  a.block_size = c.block_size;
+  a.scale = 1.f / std::sqrt((float)c.head_size);
+  kt->paged_attention(a);
+  std::vector<float> r(out.size());
+  for (size_t i = 0; i < r.size(); ++i) r[i] = out.get(i);
+  return r;
+}
+
+// Naive causal attention in double: the oracle for the generic kernel.
+std::vector<float> naive_attention(const AttnCase& c, const AttnData& d) {
+  const int D = c.head_size, G = c.heads / c.kv_heads;
+  std::vector<float> out((size_t)d.num_tokens * c.heads * D);
+  const double scale = 1.0 / std::sqrt((double)D);
+  for (size_t s = 0; s < c.seqs.size(); ++s) {
+    const int q_len = c.seqs[s].first, ctx = c.seqs[s].second;
+    for (int i = 0; i < q_len; ++i) {
+      const int tok = d.qsl[s] + i, pos = ctx - q_len + i;
+      for (int h = 0; h < c.heads; ++h) {
+        const int kvh = h / G;
+        std::vector<double> sc(pos + 1);
+        double mx = -1e300;
+        for (int t = 0; t <= pos; ++t) {
+          const int blk = d.bt[s * d.bt_stride + t / c.block_size];
+          const size_t base = (((size_t)blk * c.kv_heads + kvh) * c.block_size + t % c.block_size) * D;
+          double acc = 0;
+          for (int e = 0; e < D; ++e)
+            acc += (double)d.q.get(((size_t)tok * c.heads + h) * D + e) * d.kc.get(base + e);
+          sc[t] = acc * scale;
+          mx = std::max(mx, sc[t]);
+        }
+        double den = 0;
+        for (auto& v : sc) den += (v = std::exp(v - mx));
+        for (int e = 0; e < D; ++e) {
+          double acc = 0;
+          for (int t = 0; t <= pos; ++t) {
+            const int blk = d.bt[s * d.bt_stride + t / c.block_size];
+            acc += sc[t] * d.vc.get((((size_t)blk * c.kv_heads + kvh) * c.block_size + t % c.block_size) * D + e);
+          }
+          out[((size_t)tok * c.heads + h) * D + e] = (float)(acc / den);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+std::string describe(const AttnCase& c) {
+  std::string s = "attn H" + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " D" +
+                  std::to_string(c.head_size) + " BS" + std::to_string(c.block_size) +
+                  (c.kv_dtype == kBF16 ? " kv:bf16" : " kv:f32") + (c.q_dtype == kBF16 ? " q:bf16" : " q:f32") + " [";
+  for (size_t i = 0; i < c.seqs.size() && i < 4; ++i)
+    s += std::to_string(c.seqs[i].first) + "/" + std::to_string(c.seqs[i].second) + " ";
+  return s + "]";
+}
+
+void check_attention(const std::vector<const KernelTable*>& variants) {
+  const KernelTable* gen = variants.back();
+  std::vector<AttnCase> cases;
+  const std::vector<std::pair<int, int>> decode = {{1, 1}, {1, 17}, {1, 100}, {1, 600}};
+  const std::vector<std::pair<int, int>> mixed = {{1, 45}, {20, 20}, {7, 90}, {1, 530}, {33, 70}};
+  for (int ratio : {1, 4, 8})
+    for (int kvdt : {kF32, kBF16}) {
+      cases.push_back({decode, 2 * ratio, 2, 64, 16, kvdt, kF32});
+      cases.push_back({mixed, 2 * ratio, 2, 64, 16, kvdt, kF32});
+    }
+  cases.push_back({decode, 8, 1, 128, 16, kF32, kF32});
+  for (int kvdt : {kF32, kBF16}) {  // odd groups (3, 5 rows) and 128-head MQA
+    cases.push_back({mixed, 6, 2, 64, 16, kvdt, kF32});
+    cases.push_back({{{1, 40}, {9, 60}}, 5, 1, 64, 16, kvdt, kF32});
+    cases.push_back({{{1, 70}, {3, 20}}, 128, 1, 64, 16, kvdt, kF32});
+  }
+  cases.push_back({mixed, 8, 2, 128, 5, kBF16, kBF16});
+  cases.push_back({mixed, 4, 2, 80, 7, kF32, kF32});
+  cases.push_back({{{1, 9}, {3, 40}}, 4, 4, 16, 1, kBF16, kF32});
+  cases.push_back({{{5, 5}, {1, 33}}, 4, 2, 48, 32, kF32, kBF16});
+  uint64_t seed = 1;
+  for (const AttnCase& c : cases) {
+    AttnData d(c, seed++);
+    const std::vector<float> ref = run_attention(gen, c, d);
+    double err;
+    if (c.head_size <= 80 && c.q_dtype == kF32) {
+      const bool ok = close_enough(ref, naive_attention(c, d), 2e-5, 2e-5, &err);
+      report(ok, "generic", describe(c) + " vs naive", err);
+    }
+    for (const KernelTable* kt : variants) {
+      if (kt == gen) continue;
+      // Variants that multiply in bf16 (BFMMLA, VDPBF16PS) round the query and P to bf16.
+      const bool bf16_math = c.kv_dtype == kBF16 && (std::strcmp(kt->name, "neon_bf16") == 0 ||
+                                                     std::strcmp(kt->name, "avx512bf16") == 0);
+      const double tol = (c.q_dtype == kBF16 || bf16_math) ? 2e-2 : 2e-5;
+      const bool ok = close_enough(run_attention(kt, c, d), ref, tol, tol, &err);
+      report(ok, kt->name, describe(c), err);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// the other ops
+
+void check_exp(const std::vector<const KernelTable*>& variants) {
+  std::vector<float> x;
+  for (int i = 0; i <= 200000; ++i) x.push_back(-87.3f + (88.3f + 87.3f) * i / 200000.f);
+  for (int i = 0; i < 37; ++i) x.push_back(-1e30f);
+  for (const KernelTable* kt : variants) {
+    std::vector<float> y = x;
+    kt->exp_inplace(y.data(), (int64_t)y.size());
+    double worst = 0;
+    bool ok = true;
+    for (size_t i = 0; i < x.size(); ++i) {
+      if (x[i] < -87.3f) {
+        ok = ok && y[i] == 0.f;
+        continue;
+      }
+      const double e = std::exp((double)x[i]);
+      worst = std::max(worst, std::fabs(y[i] - e) / e);
+    }
+    ok = ok && worst < 2e-7;
+    ++g_checks;
+    if (!ok) ++g_failures;
+    std::printf("%s %-10s %-58s max_rel_err=%.3g\n", ok ? "PASS" : "FAIL", kt->name,
+                "exp polynomial, [-87.3, 88.3], bound 2e-7", worst);
+  }
+}
+
+void check_rows(const std::vector<const KernelTable*>& variants) {
+  const KernelTable* gen = variants.back();
+  Rng rng(99);
+  for (int dt : {kF32, kBF16}) {
+    const double tol = dt == kF32 ? 2e-6 : 1e-2;
+    const char* dn = dt == kF32 ? "f32" : "bf16";
+    const int rows = 5, hidden = 896;
+    Buf x(rows * hidden, dt), w(hidden, dt), res(rows * hidden, dt);
+    for (size_t i = 0; i < x.size(); ++i) x.set(i, 3 * rng.normal()), res.set(i, rng.normal());
+    for (int i = 0; i < hidden; ++i) w.set(i, 0.5f + rng.uniform());
+    auto as_vec = [](const Buf& b) {
+      std::vector<float> v(b.size());
+      for (size_t i = 0; i < v.size(); ++i) v[i] = b.get(i);
+      return v;
+    };
+    // RMSNorm
+    Buf ref(rows * hidden, dt);
+    gen->rms_norm(x.data(), dt, w.data(), dt, ref.data(), rows, hidden, 1e-6f);
+    // fused add + RMSNorm
+    Buf rref = res, fref(rows * hidden, dt);
+    gen->fused_add_rms_norm(x.data(), dt, rref.data(), dt, w.data(), dt, fref.data(), rows, hidden, 1e-6f);
+    // SiLU and mul: x viewed as [rows, 2 * 448]
+    Buf sref(rows * hidden / 2, dt);
+    gen->silu_and_mul(x.data(), sref.data(), dt, rows, hidden / 2);
+    // rotary, neox and gptj, rotary_dim 64 of head_size 128
+    const int T = 6, H = 3, HD = 128, RD = 64, P = 100;
+    std::vector<float> cs((size_t)P * RD);
+    for (int p = 0; p < P; ++p)
+      for (int i = 0; i < RD / 2; ++i) {
+        const double f = p * std::pow(10000.0, -2.0 * i / RD);
+        cs[p * RD + i] = (float)std::cos(f);
+        cs[p * RD + RD / 2 + i] = (float)std::sin(f);
+      }
+    std::vector<int64_t> pos = {0, 3, 99, 42, 7, 7};
+    Buf qx(T * H * HD, dt);
+    for (size_t i = 0; i < qx.size(); ++i) qx.set(i, rng.normal());
+    Buf rope_ref[2] = {qx, qx};
+    for (int neox = 0; neox < 2; ++neox)
+      gen->rotary_embedding(pos.data(), rope_ref[neox].data(), dt, T, H, HD, cs.data(), RD, neox == 1);
+    // reshape_and_cache: 9 tokens, 2 kv heads, head 64, block 5, one padding slot
+    const int NT = 9, KH = 2, KD = 64, BS = 5, NB = 4;
+    Buf kin(NT * KH * KD, dt), vin(NT * KH * KD, dt);
+    for (size_t i = 0; i < kin.size(); ++i) kin.set(i, rng.normal()), vin.set(i, rng.normal());
+    std::vector<int64_t> slots = {3, 19, 0, -1, 7, 12, 5, 18, 1};
+    Buf kc_ref(NB * KH * BS * KD, dt, 9.f), vc_ref(NB * KH * BS * KD, dt, 9.f);
+    gen->reshape_and_cache(kin.data(), vin.data(), dt, KH * KD, KD, KH * KD, KD, kc_ref.data(), vc_ref.data(),
+                           dt, slots.data(), NT, KH, KD, BS);
+    // every slot written holds the token's values exactly
+    bool rc_ok = true;
+    for (int t = 0; t < NT; ++t) {
+      if (slots[t] < 0) continue;
+      for (int h = 0; h < KH; ++h)
+        for (int e = 0; e < KD; ++e) {
+          const size_t dst = (((size_t)(slots[t] / BS) * KH + h) * BS + slots[t] % BS) * KD + e;
+          rc_ok = rc_ok && kc_ref.get(dst) == kin.get(((size_t)t * KH + h) * KD + e) &&
+                  vc_ref.get(dst) == vin.get(((size_t)t * KH + h) * KD + e);
+        }
+    }
+    report(rc_ok, "generic", std::string("reshape_and_cache slots ") + dn, 0);
+
+    for (const KernelTable* kt : variants) {
+      if (kt == gen) continue;
+      double err;
+      Buf out(rows * hidden, dt);
+      kt->rms_norm(x.data(), dt, w.data(), dt, out.data(), rows, hidden, 1e-6f);
+      report(close_enough(as_vec(out), as_vec(ref), tol, tol, &err), kt->name, std::string("rms_norm ") + dn, err);
+      Buf r2 = res, f2(rows * hidden, dt);
+      kt->fused_add_rms_norm(x.data(), dt, r2.data(), dt, w.data(), dt, f2.data(), rows, hidden, 1e-6f);
+      report(close_enough(as_vec(r2), as_vec(rref), 0, 0, &err), kt->name,
+             std::string("fused_add_rms_norm residual ") + dn, err);
+      report(close_enough(as_vec(f2), as_vec(fref), tol, tol, &err), kt->name,
+             std::string("fused_add_rms_norm out ") + dn, err);
+      Buf s2(rows * hidden / 2, dt);
+      kt->silu_and_mul(x.data(), s2.data(), dt, rows, hidden / 2);
+      report(close_enough(as_vec(s2), as_vec(sref), tol, tol, &err), kt->name, std::string("silu_and_mul ") + dn, err);
+      for (int neox = 0; neox < 2; ++neox) {
+        Buf q2 = qx;
+        kt->rotary_embedding(pos.data(), q2.data(), dt, T, H, HD, cs.data(), RD, neox == 1);
+        report(close_enough(as_vec(q2), as_vec(rope_ref[neox]), tol, tol, &err), kt->name,
+               std::string("rotary ") + (neox ? "neox " : "gptj ") + dn, err);
+      }
+      Buf kc2(NB * KH * BS * KD, dt, 9.f), vc2(NB * KH * BS * KD, dt, 9.f);
+      kt->reshape_and_cache(kin.data(), vin.data(), dt, KH * KD, KD, KH * KD, KD, kc2.data(), vc2.data(), dt,
+                            slots.data(), NT, KH, KD, BS);
+      report(close_enough(as_vec(kc2), as_vec(kc_ref), 0, 0, &err) &&
+                 close_enough(as_vec(vc2), as_vec(vc_ref), 0, 0, &err),
+             kt->name, std::string("reshape_and_cache ") + dn, err);
+    }
+  }
+}
+
+std::vector<std::string> split(const char* s) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (; *s; ++s) {
+    if (*s == ',') {
+      out.push_back(cur);
+      cur.clear();
+    } else {
+      cur += *s;
+    }
+  }
+  if (!cur.empty()) out.push_back(cur);
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* expect_variants = nullptr;
+  const char* expect_selected = nullptr;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--expect-variants")) expect_variants = argv[i + 1];
+    if (!std::strcmp(argv[i], "--expect-selected")) expect_selected = argv[i + 1];
+  }
+  const KernelTable* list[8];
+  const int n = available_kernels(list, 8);
+  std::vector<const KernelTable*> variants(list, list + n);
+  std::string names;
+  for (auto* k : variants) names += std::string(names.empty() ? "" : ",") + k->name;
+  std::printf("cpu: %s\nvariants: %s\nselected: %s\n", cpu_features_string(), names.c_str(),
+              selected_kernels()->name);
+  if (expect_variants) {
+    const bool ok = split(expect_variants) == split(names.c_str());
+    report(ok, "dispatch", std::string("variants == ") + expect_variants, 0);
+  }
+  if (expect_selected) {
+    const bool ok = std::strcmp(selected_kernels()->name, expect_selected) == 0;
+    report(ok, "dispatch", std::string("selected == ") + expect_selected, 0);
+  }
+  check_exp(variants);
+  check_rows(variants);
+  check_attention(variants);
+  std::printf("checks: %d, failures: %d\nRESULT: %s\n", g_checks, g_failures, g_failures ? "FAIL" : "OK");
+  return g_failures ? 1 : 0;
+}

@@ -1,0 +1,84 @@
+// appliance native kernels: the public, torch-free C++ interface.
+//
+// Every kernel exists as a portable generic version and as ISA variants with the same signature
+// (x86: avx2, avx512, avx512bf16; Arm: neon, neon_bf16 (BFMMLA), sve). A variant is a
+// KernelTable; the dispatcher (dispatch/dispatch.cpp) picks the best one the CPU supports, once.
+// The same sources build into the torch extension (bindings/) and the standalone Arm harness.
+//
+// Tensor conventions follow appliance/ops/reference.py: KV cache per layer
+// [num_blocks, num_kv_heads, block_size, head_size] (contiguous), varlen batches described by
+// query_start_loc / seq_lens (context length including this step's tokens) / block_table.
+#pragma once
+
+#include <cstdint>
+
+namespace appliance_kernels {
+
+enum DType : int { kF32 = 0, kBF16 = 1 };
+
+struct AttentionArgs {
+  const void* query;        // [num_tokens, num_heads, head_size], rows strided below
+  int64_t q_stride_token;   // in elements
+  int64_t q_stride_head;
+  int q_dtype;              // DType; out has the same dtype
+  void* out;                // [num_tokens, num_heads, head_size]
+  int64_t o_stride_token;
+  int64_t o_stride_head;
+  const void* key_cache;    // [num_blocks, num_kv_heads, block_size, head_size], contiguous
+  const void* value_cache;
+  int kv_dtype;             // DType
+  const int32_t* block_table;  // [num_seqs, block_table_stride]
+  int64_t block_table_stride;
+  const int32_t* seq_lens;         // [num_seqs]
+  const int32_t* query_start_loc;  // [num_seqs + 1]
+  int num_seqs;
+  int num_heads;
+  int num_kv_heads;
+  int head_size;   // multiple of 16
+  int block_size;  // any >= 1
+  float scale;
+};
+
+struct KernelTable {
+  const char* name;
+  // Causal paged attention, semantics of reference.paged_attention.
+  void (*paged_attention)(const AttentionArgs& a);
+  // x[i] = exp(x[i]) with the variant's vectorized polynomial (exposed to test its error bound).
+  void (*exp_inplace)(float* x, int64_t n);
+  // out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, rows of length hidden; dtypes per DType.
+  void (*rms_norm)(const void* x, int x_dtype, const void* w, int w_dtype, void* out,
+                   int64_t rows, int64_t hidden, float eps);
+  // residual[r] += x[r] (rounded to residual's dtype); out[r] = rms_norm(residual[r]).
+  void (*fused_add_rms_norm)(const void* x, int x_dtype, void* residual, int r_dtype,
+                             const void* w, int w_dtype, void* out, int64_t rows,
+                             int64_t hidden, float eps);
+  // In place on x [num_tokens, num_heads, head_size] (contiguous); cos_sin is float32
+  // [max_position, rot_dim] (cos half then sin half); neox rotates halves, gptj pairs.
+  void (*rotary_embedding)(const int64_t* positions, void* x, int x_dtype, int64_t num_tokens,
+                           int num_heads, int head_size, const float* cos_sin, int rot_dim,
+                           bool is_neox);
+  // out[r, :d] = silu(x[r, :d]) * x[r, d:], x rows of 2d.
+  void (*silu_and_mul)(const void* x, void* out, int dtype, int64_t rows, int64_t d);
+  // key/value [num_tokens, num_kv_heads, head_size] (token/head strides in elements) into slots.
+  void (*reshape_and_cache)(const void* key, const void* value, int in_dtype, int64_t k_stride_token,
+                            int64_t k_stride_head, int64_t v_stride_token, int64_t v_stride_head,
+                            void* key_cache, void* value_cache, int cache_dtype,
+                            const int64_t* slot_mapping, int64_t num_tokens, int num_kv_heads,
+                            int head_size, int block_size);
+};
+
+// The variant chosen for this process: the best the CPU supports, or APPLIANCE_KERNELS
+// (a variant name) when set and supported. Chosen once; the choice is logged to stderr when
+// APPLIANCE_KERNELS_LOG=1 (the Python side logs it through `logging`).
+const KernelTable* selected_kernels();
+// Override the process-wide choice (tests force each variant). Returns false if `name` is
+// unknown or not supported by this CPU.
+bool select_kernels(const char* name);
+// Variants this CPU can run, best first; returns how many were written (at most max).
+int available_kernels(const KernelTable** out, int max);
+// A variant by name, or nullptr if unknown or not supported on this CPU.
+const KernelTable* find_kernels(const char* name);
+// Short text describing the detected CPU features (for logs and `appliance doctor`).
+const char* cpu_features_string();
+
+}  // namespace appliance_kernels

@@ -1,0 +1,129 @@
+// Helpers shared by every variant. Included by each variant TU *before* its
+// `#pragma GCC target`, so everything here (and every standard header) is compiled for the
+// baseline ISA: no inline function that the linker may merge across TUs ever carries AVX512,
+// BF16 or SVE instructions into code that runs on a CPU without them.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "appliance_kernels.h"
+
+namespace appliance_kernels {
+namespace common {
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even, NaN kept quiet: the same bits as torch's float -> bfloat16.
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float round_to(int dtype, float f) {
+  return dtype == kBF16 ? bf16_to_f32(f32_to_bf16(f)) : f;
+}
+
+inline void load_row(const void* src, int dtype, int64_t offset, float* dst, int64_t n) {
+  if (dtype == kF32) {
+    std::memcpy(dst, static_cast<const float*>(src) + offset, n * sizeof(float));
+  } else {
+    const uint16_t* s = static_cast<const uint16_t*>(src) + offset;
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+  }
+}
+
+inline void store_row(void* dst, int dtype, int64_t offset, const float* src, int64_t n) {
+  if (dtype == kF32) {
+    std::memcpy(static_cast<float*>(dst) + offset, src, n * sizeof(float));
+  } else {
+    uint16_t* d = static_cast<uint16_t*>(dst) + offset;
+    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+  }
+}
+
+// Zeroed float scratch. Used instead of std::vector<float> in kernels_impl.h: a vector<float>
+// instantiated under a variant's target pragma would be a weak symbol the linker could share
+// with baseline code; this class is defined (and compiled) here, for the baseline ISA.
+class FloatBuf {
+ public:
+  explicit FloatBuf(size_t n) : p_(static_cast<float*>(std::calloc(n ? n : 1, sizeof(float)))) {}
+  ~FloatBuf() { std::free(p_); }
+  FloatBuf(const FloatBuf&) = delete;
+  FloatBuf& operator=(const FloatBuf&) = delete;
+  float* data() { return p_; }
+
+ private:
+  float* p_;
+};
+
+inline int max_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+inline int thread_id() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+// exp(x) polynomial, Cephes expf: x = n*ln2 + r, |r| <= ln2/2, exp(r) = 1 + r + r^2*P5(r),
+// scaled by 2^n through the exponent bits. Max relative error ~1.2e-7 (about 2 ulp) over
+// [-87.3, 88.3]; inputs below -87.3 (incl. -inf) give exactly 0, above 88.3 are clamped.
+// Every variant's vector exp uses these constants, so all variants share this bound
+// (tests/ops/test_exp.py holds each to 3e-7).
+constexpr float kExpHi = 88.3f;  // keeps 2^n finite (n <= 127)
+constexpr float kExpLo = -87.3f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kExpP0 = 1.9875691500e-4f;
+constexpr float kExpP1 = 1.3981999507e-3f;
+constexpr float kExpP2 = 8.3334519073e-3f;
+constexpr float kExpP3 = 4.1665795894e-2f;
+constexpr float kExpP4 = 1.6666665459e-1f;
+constexpr float kExpP5 = 5.0000001201e-1f;
+
+inline float exp_scalar(float x) {
+  if (!(x >= kExpLo)) return 0.0f;  // also NaN -> 0 never happens for softmax inputs
+  if (x > kExpHi) x = kExpHi;
+  float n = std::floor(x * kLog2e + 0.5f);
+  float r = x - n * kLn2Hi;
+  r = r - n * kLn2Lo;
+  float p = kExpP0;
+  p = p * r + kExpP1;
+  p = p * r + kExpP2;
+  p = p * r + kExpP3;
+  p = p * r + kExpP4;
+  p = p * r + kExpP5;
+  p = p * r * r + r + 1.0f;
+  int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float s;
+  std::memcpy(&s, &e, 4);
+  return p * s;
+}
+
+}  // namespace common
+}  // namespace appliance_kernels

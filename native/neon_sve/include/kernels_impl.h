@@ -1,0 +1,426 @@
+// The ISA-independent body of every kernel, instantiated once per variant.
+//
+// A variant TU includes kernel_common.h (baseline ISA), switches the target with
+// `#pragma GCC target`, opens its own namespace, defines the primitives below, then includes this
+// file, which builds that variant's KernelTable from them. Plain loops in here are
+// auto-vectorized for the variant's ISA; the hot products are the primitives:
+//
+//   void pack_q(const float* Q, int M, int D, void* buf);
+//       once per work item: repack the (already scaled) query rows for qk_tile (buf holds
+//       (M + 2) * D floats); variants that need no repacking do nothing.
+//   template <class KT> void qk_tile(const float* Q, const void* qpack, int M, const KT* K,
+//                                    int n, int D, float* S, int lds);
+//       S[r * lds + j] = dot(Q[r], K[j]) for r < M, j < n (KT = float or uint16_t for bf16).
+//   template <class KT> void pv_tile(float* A, int M, const float* P, int lds, const KT* V,
+//                                    int n, int D);
+//       A[r] += sum_j P[r * lds + j] * V[j] for r < M.
+//   void exp_vec(float* x, int64_t n);    x[i] = exp(x[i]) (polynomial, kernel_common.h bound)
+//   #define AK_VARIANT_NAME "..."
+//
+// Work split of paged attention: items are (sequence, kv head, query tile, context partition).
+// All query heads of a GQA group are rows of the same item, so every K/V block is streamed from
+// memory once per group and then reused from L1 by the group's rows. Long contexts of short
+// query tiles (decode) are cut into partitions of kPartitionTokens (fewer when there would be
+// under two items per thread) whose partial softmax states (max, sum, unnormalized accumulator)
+// are merged afterwards. Both loops use static scheduling. Within an item the context is walked
+// in chunks of ~16 KiB of K (several blocks), one online-softmax step per chunk.
+
+namespace impl {
+
+using namespace ::appliance_kernels::common;
+
+constexpr int kPartitionTokens = 512;
+constexpr int kMinPartitionTokens = 128;
+constexpr int kMaxTileRows = 64;
+#ifndef AK_PREFETCH_BLOCKS
+#define AK_PREFETCH_BLOCKS 1
+#endif
+constexpr int kPrefetchBlocks = AK_PREFETCH_BLOCKS;
+
+// Blocks per softmax chunk: about 16 KiB of K per chunk (so the chunk's K and V stay in L1/L2),
+// at least one block. Context partitions are whole chunks long.
+static inline int chunk_blocks_for(int BS, int D, size_t elem) {
+  const int64_t tokens = 16384 / ((int64_t)D * (int64_t)elem);
+  return (int)std::max<int64_t>(1, tokens / BS);
+}
+
+struct Item {
+  int seq, kvh;
+  int q0, q1;       // query tokens of the sequence, relative to its first new token
+  int c0, c1;       // context positions [c0, c1), c0 a multiple of block_size
+  int64_t partial;  // first row (of D floats) of its partial state, or -1: writes out directly
+};
+
+struct Merge {
+  int seq, kvh, q0, q1;
+  int64_t first_partial;  // partial row index of the first partition
+  int num_partials;       // partitions, each holding M = (q1 - q0) * group rows
+};
+
+template <class KT>
+static void run_item(const AttentionArgs& a, const Item& it, int cap, float* ws, float* part_acc,
+                     float* part_ml) {
+  const int G = a.num_heads / a.num_kv_heads;
+  const int D = a.head_size, BS = a.block_size;
+  const int q_begin = a.query_start_loc[it.seq];
+  const int q_len = a.query_start_loc[it.seq + 1] - q_begin;
+  const int first_pos = a.seq_lens[it.seq] - q_len;
+  const int nq = it.q1 - it.q0;
+  const int M = nq * G;
+  // Workspace: Q [M*D] | qpack [(M+2)*D] | acc [M*D] | S [M*W] | m [M] | l [M] | lim [M]
+  // with cap >= M rows and W the chunk width (sized in paged_attention_kt as ws_floats).
+  float* Q = ws;
+  float* qpack = Q + (int64_t)cap * D;
+  float* acc = qpack + (int64_t)(cap + 2) * D;
+  float* S = acc + (int64_t)cap * D;
+  float* m = S + (int64_t)cap * chunk_blocks_for(BS, D, sizeof(KT)) * BS;
+  float* l = m + cap;
+  int* lim = reinterpret_cast<int*>(l + cap);
+
+  for (int qi = 0; qi < nq; ++qi) {
+    const int64_t tok = q_begin + it.q0 + qi;
+    for (int g = 0; g < G; ++g) {
+      const int r = qi * G + g;
+      const int head = it.kvh * G + g;
+      float* qr = Q + (int64_t)r * D;
+      load_row(a.query, a.q_dtype, tok * a.q_stride_token + head * a.q_stride_head, qr, D);
+      for (int d = 0; d < D; ++d) qr[d] *= a.scale;
+      lim[r] = first_pos + it.q0 + qi + 1;  // causal: positions < lim attend
+      m[r] = -std::numeric_limits<float>::infinity();
+      l[r] = 0.f;
+    }
+  }
+  std::memset(acc, 0, sizeof(float) * (size_t)M * D);
+  pack_q(Q, M, D, qpack);
+
+  const KT* kc = static_cast<const KT*>(a.key_cache);
+  const KT* vc = static_cast<const KT*>(a.value_cache);
+  const int32_t* bt = a.block_table + (int64_t)it.seq * a.block_table_stride;
+  // The context is walked in chunks of W = chunk_blocks * BS tokens: Q.K^T of each block of a
+  // chunk fills the columns of S, one online-softmax step covers the whole chunk (its per-row
+  // cost is amortized over W columns rather than paid per block), then P.V block by block.
+  const int chunk_blocks = chunk_blocks_for(BS, D, sizeof(KT));
+  const int W = chunk_blocks * BS;
+  auto tile_of = [&](int pos) { return ((int64_t)bt[pos / BS] * a.num_kv_heads + it.kvh) * BS * D; };
+  for (int c = it.c0; c < it.c1; c += W) {
+    const int cw = std::min(W, it.c1 - c);
+    for (int b = 0; b * BS < cw; ++b) {
+      const int cb = c + b * BS;
+      const int cp = cb + kPrefetchBlocks * BS;
+      if (cp < it.c1) {
+        // Blocks are scattered, so the hardware prefetcher (which stops at page boundaries)
+        // cannot see the next tiles coming: fetch one kPrefetchBlocks ahead (K and V).
+        const int64_t bytes = std::min<int64_t>((int64_t)std::min(BS, it.c1 - cp) * D * sizeof(KT), 16384);
+        const char* pk = reinterpret_cast<const char*>(kc + tile_of(cp));
+        const char* pv = reinterpret_cast<const char*>(vc + tile_of(cp));
+        for (int64_t off = 0; off < bytes; off += 64) {
+          __builtin_prefetch(pk + off);
+          __builtin_prefetch(pv + off);
+        }
+      }
+      qk_tile<KT>(Q, qpack, M, kc + tile_of(cb), std::min(BS, cw - b * BS), D, S + b * BS, W);
+    }
+    for (int r = 0; r < M; ++r) {
+      float* s = S + (int64_t)r * W;
+      const int nr = std::min(cw, lim[r] - c);
+      if (nr <= 0) {
+        for (int j = 0; j < cw; ++j) s[j] = 0.f;
+        continue;
+      }
+      // `omp simd` reductions let the compiler vectorize (reorder) these for the variant's ISA.
+      float bm = s[0];
+#pragma omp simd reduction(max : bm)
+      for (int j = 1; j < nr; ++j) bm = bm > s[j] ? bm : s[j];
+      const float m_new = std::max(m[r], bm);
+      for (int j = 0; j < nr; ++j) s[j] -= m_new;
+      exp_vec(s, nr);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int j = 0; j < nr; ++j) sum += s[j];
+      for (int j = nr; j < cw; ++j) s[j] = 0.f;
+      if (m_new > m[r]) {
+        const float alpha = exp_scalar(m[r] - m_new);  // 0 on the first chunk of the row
+        float* ar = acc + (int64_t)r * D;
+        if (l[r] != 0.f)
+          for (int d = 0; d < D; ++d) ar[d] *= alpha;
+        l[r] *= alpha;
+        m[r] = m_new;
+      }
+      l[r] += sum;
+    }
+    for (int b = 0; b * BS < cw; ++b)
+      pv_tile<KT>(acc, M, S + b * BS, W, vc + tile_of(c + b * BS), std::min(BS, cw - b * BS), D);
+  }
+
+  if (it.partial < 0) {
+    for (int qi = 0; qi < nq; ++qi) {
+      const int64_t tok = q_begin + it.q0 + qi;
+      for (int g = 0; g < G; ++g) {
+        const int r = qi * G + g;
+        float* ar = acc + (int64_t)r * D;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int d = 0; d < D; ++d) ar[d] *= inv;
+        store_row(a.out, a.q_dtype, tok * a.o_stride_token + (it.kvh * G + g) * a.o_stride_head,
+                  ar, D);
+      }
+    }
+  } else {
+    std::memcpy(part_acc + it.partial * D, acc, sizeof(float) * (size_t)M * D);
+    std::memcpy(part_ml + it.partial * 2, m, sizeof(float) * M);
+    std::memcpy(part_ml + it.partial * 2 + M, l, sizeof(float) * M);
+  }
+}
+
+static void merge_partials(const AttentionArgs& a, const Merge& mg, const float* part_acc,
+                           const float* part_ml, float* tmp) {
+  const int G = a.num_heads / a.num_kv_heads;
+  const int D = a.head_size;
+  const int q_begin = a.query_start_loc[mg.seq];
+  const int M = (mg.q1 - mg.q0) * G;
+  for (int qi = 0; qi < mg.q1 - mg.q0; ++qi) {
+    for (int g = 0; g < G; ++g) {
+      const int r = qi * G + g;
+      float gm = -std::numeric_limits<float>::infinity();
+      for (int p = 0; p < mg.num_partials; ++p)
+        gm = std::max(gm, part_ml[(mg.first_partial + (int64_t)p * M) * 2 + r]);
+      float denom = 0.f;
+      for (int d = 0; d < D; ++d) tmp[d] = 0.f;
+      for (int p = 0; p < mg.num_partials; ++p) {
+        const int64_t base = mg.first_partial + (int64_t)p * M;
+        const float* ml = part_ml + base * 2;
+        if (ml[M + r] == 0.f) continue;
+        const float w = exp_scalar(ml[r] - gm);
+        denom += w * ml[M + r];
+        const float* pa = part_acc + (base + r) * D;
+        for (int d = 0; d < D; ++d) tmp[d] += w * pa[d];
+      }
+      const float inv = denom > 0.f ? 1.f / denom : 0.f;
+      for (int d = 0; d < D; ++d) tmp[d] *= inv;
+      const int64_t tok = q_begin + mg.q0 + qi;
+      store_row(a.out, a.q_dtype, tok * a.o_stride_token + (mg.kvh * G + g) * a.o_stride_head,
+                tmp, D);
+    }
+  }
+}
+
+template <class KT>
+static void paged_attention_kt(const AttentionArgs& a) {
+  const int G = a.num_heads / a.num_kv_heads;
+  const int D = a.head_size, BS = a.block_size;
+  const int qt = std::max(1, kMaxTileRows / G);  // query tokens per tile
+  const int W = chunk_blocks_for(BS, D, sizeof(KT)) * BS;  // tokens per softmax chunk
+  // Partition length: kPartitionTokens, halved (down to kMinPartitionTokens, whole chunks)
+  // while there would be fewer than two items per thread, so that small decode batches with
+  // long contexts still spread over every core.
+  auto round_w = [&](int t) { return std::max(1, (t + W - 1) / W) * W; };
+  auto count_items = [&](int p) {
+    int64_t n = 0;
+    for (int s = 0; s < a.num_seqs; ++s) {
+      const int q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
+      if (q_len <= 0) continue;
+      if (q_len <= qt && a.seq_lens[s] > p)
+        n += (a.seq_lens[s] + p - 1) / p;
+      else
+        n += (q_len + qt - 1) / qt;
+    }
+    return n * a.num_kv_heads;
+  };
+  int part = round_w(kPartitionTokens);
+  const int64_t want = 2 * (int64_t)max_threads();
+  while (part > W && part > kMinPartitionTokens && count_items(part) < want)
+    part = round_w(part / 2);
+  std::vector<Item> items;
+  std::vector<Merge> merges;
+  int64_t num_partials = 0;  // partial rows
+  for (int s = 0; s < a.num_seqs; ++s) {
+    const int q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
+    const int ctx = a.seq_lens[s];
+    if (q_len <= 0) continue;
+    for (int h = 0; h < a.num_kv_heads; ++h) {
+      for (int q0 = 0; q0 < q_len; q0 += qt) {
+        const int q1 = std::min(q_len, q0 + qt);
+        const int end = ctx - q_len + q1;  // the tile's last query sees positions < end
+        if (q_len <= qt && end > part) {
+          Merge mg{s, h, q0, q1, num_partials, 0};
+          for (int c0 = 0; c0 < end; c0 += part) {
+            items.push_back(Item{s, h, q0, q1, c0, std::min(end, c0 + part), num_partials});
+            num_partials += (int64_t)(q1 - q0) * G;
+            mg.num_partials++;
+          }
+          merges.push_back(mg);
+        } else {
+          items.push_back(Item{s, h, q0, q1, 0, end, -1});
+        }
+      }
+    }
+  }
+  FloatBuf part_acc((size_t)num_partials * D);
+  FloatBuf part_ml((size_t)num_partials * 2);
+  // Rows per item: qt tokens x G heads; G alone may exceed kMaxTileRows (e.g. MQA, 128 heads).
+  const int cap = std::max(kMaxTileRows, qt * G);
+  const int64_t ws_floats = (int64_t)cap * D * 3 + 2 * D + (int64_t)cap * W + 3 * cap + 64;
+  const int64_t num_items = (int64_t)items.size();
+  const int64_t num_merges = (int64_t)merges.size();
+#pragma omp parallel if (num_items > 1)
+  {
+    FloatBuf ws((size_t)ws_floats);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < num_items; ++i)
+      run_item<KT>(a, items[i], cap, ws.data(), part_acc.data(), part_ml.data());
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < num_merges; ++i)
+      merge_partials(a, merges[i], part_acc.data(), part_ml.data(), ws.data());
+  }
+}
+
+static void paged_attention(const AttentionArgs& a) {
+  if (a.kv_dtype == kBF16)
+    paged_attention_kt<uint16_t>(a);
+  else
+    paged_attention_kt<float>(a);
+}
+
+static void exp_inplace(float* x, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+  for (int64_t i = 0; i < n; i += 4096) exp_vec(x + i, std::min<int64_t>(4096, n - i));
+}
+
+static inline float sum_squares(const float* x, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+static void rms_norm(const void* x, int x_dtype, const void* w, int w_dtype, void* out,
+                     int64_t rows, int64_t hidden, float eps) {
+  FloatBuf wf((size_t)hidden);
+  load_row(w, w_dtype, 0, wf.data(), hidden);
+#pragma omp parallel if (rows * hidden > (1 << 15))
+  {
+    FloatBuf buf((size_t)hidden);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      float* b = buf.data();
+      load_row(x, x_dtype, r * hidden, b, hidden);
+      const float inv = 1.f / std::sqrt(sum_squares(b, hidden) / (float)hidden + eps);
+      // Same rounding order as the reference: (x * rsqrt) first, then * weight.
+      for (int64_t i = 0; i < hidden; ++i) b[i] = (b[i] * inv) * wf.data()[i];
+      store_row(out, x_dtype, r * hidden, b, hidden);
+    }
+  }
+}
+
+static void fused_add_rms_norm(const void* x, int x_dtype, void* residual, int r_dtype,
+                               const void* w, int w_dtype, void* out, int64_t rows, int64_t hidden,
+                               float eps) {
+  FloatBuf wf((size_t)hidden);
+  load_row(w, w_dtype, 0, wf.data(), hidden);
+#pragma omp parallel if (rows * hidden > (1 << 15))
+  {
+    FloatBuf buf((size_t)hidden * 2);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      float* b = buf.data();
+      float* xb = b + hidden;
+      load_row(residual, r_dtype, r * hidden, b, hidden);
+      load_row(x, x_dtype, r * hidden, xb, hidden);
+      for (int64_t i = 0; i < hidden; ++i) b[i] += xb[i];
+      store_row(residual, r_dtype, r * hidden, b, hidden);
+      if (r_dtype == kBF16)  // the norm sees the residual as stored
+        for (int64_t i = 0; i < hidden; ++i) b[i] = round_to(kBF16, b[i]);
+      const float inv = 1.f / std::sqrt(sum_squares(b, hidden) / (float)hidden + eps);
+      for (int64_t i = 0; i < hidden; ++i) b[i] = (b[i] * inv) * wf.data()[i];
+      store_row(out, r_dtype, r * hidden, b, hidden);
+    }
+  }
+}
+
+static void rotary_embedding(const int64_t* positions, void* x, int x_dtype, int64_t num_tokens,
+                             int num_heads, int head_size, const float* cos_sin, int rot_dim,
+                             bool is_neox) {
+  const int half = rot_dim / 2;
+#pragma omp parallel if (num_tokens * num_heads * head_size > (1 << 15))
+  {
+    FloatBuf buf((size_t)rot_dim * 2);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const float* cs = cos_sin + positions[t] * rot_dim;
+      const float* cosv = cs;
+      const float* sinv = cs + half;
+      for (int h = 0; h < num_heads; ++h) {
+        const int64_t off = (t * num_heads + h) * (int64_t)head_size;
+        float* v = buf.data();
+        float* o = v + rot_dim;
+        load_row(x, x_dtype, off, v, rot_dim);
+        if (is_neox) {
+          for (int i = 0; i < half; ++i) {
+            const float x1 = v[i], x2 = v[i + half];
+            o[i] = x1 * cosv[i] - x2 * sinv[i];
+            o[i + half] = x2 * cosv[i] + x1 * sinv[i];
+          }
+        } else {
+          for (int i = 0; i < half; ++i) {
+            const float x1 = v[2 * i], x2 = v[2 * i + 1];
+            o[2 * i] = x1 * cosv[i] - x2 * sinv[i];
+            o[2 * i + 1] = x2 * cosv[i] + x1 * sinv[i];
+          }
+        }
+        store_row(x, x_dtype, off, o, rot_dim);
+      }
+    }
+  }
+}
+
+static void silu_and_mul(const void* x, void* out, int dtype, int64_t rows, int64_t d) {
+#pragma omp parallel if (rows * d > (1 << 15))
+  {
+    FloatBuf buf((size_t)d * 3);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      float* a = buf.data();
+      float* b = a + d;
+      float* e = b + d;
+      load_row(x, dtype, r * 2 * d, a, d);
+      load_row(x, dtype, r * 2 * d + d, b, d);
+      for (int64_t i = 0; i < d; ++i) e[i] = -a[i];
+      exp_vec(e, d);
+      // silu(a) = a / (1 + exp(-a)); rounded to the dtype before the product, as torch does.
+      for (int64_t i = 0; i < d; ++i) e[i] = round_to(dtype, a[i] / (1.f + e[i])) * b[i];
+      store_row(out, dtype, r * d, e, d);
+    }
+  }
+}
+
+static void reshape_and_cache(const void* key, const void* value, int in_dtype,
+                              int64_t k_stride_token, int64_t k_stride_head,
+                              int64_t v_stride_token, int64_t v_stride_head, void* key_cache,
+                              void* value_cache, int cache_dtype, const int64_t* slot_mapping,
+                              int64_t num_tokens, int num_kv_heads, int head_size,
+                              int block_size) {
+#pragma omp parallel if (num_tokens * num_kv_heads * head_size > (1 << 16))
+  {
+    FloatBuf buf((size_t)head_size);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const int64_t slot = slot_mapping[t];
+      if (slot < 0) continue;
+      const int64_t blk = slot / block_size, off = slot % block_size;
+      for (int h = 0; h < num_kv_heads; ++h) {
+        const int64_t dst = ((blk * num_kv_heads + h) * block_size + off) * head_size;
+        load_row(key, in_dtype, t * k_stride_token + h * k_stride_head, buf.data(), head_size);
+        store_row(key_cache, cache_dtype, dst, buf.data(), head_size);
+        load_row(value, in_dtype, t * v_stride_token + h * v_stride_head, buf.data(), head_size);
+        store_row(value_cache, cache_dtype, dst, buf.data(), head_size);
+      }
+    }
+  }
+}
+
+}  // namespace impl
+
+static const KernelTable kTable = {
+    AK_VARIANT_NAME,        impl::paged_attention,  impl::exp_inplace,
+    impl::rms_norm,         impl::fused_add_rms_norm, impl::rotary_embedding,
+    impl::silu_and_mul,     impl::reshape_and_cache,
+};

@@ -1,0 +1,158 @@
+// x86-64 AVX2 + FMA variant (Haswell and later). head_size must be a multiple of 8 (the Python
+// facade only sends multiples of 16).
+#include "kernel_common.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace appliance_kernels {
+namespace avx2 {
+
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// [sum(a0), sum(a1), sum(a2), sum(a3)]
+static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+static inline float hsum(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+static inline void pack_q(const float*, int, int, void*) {}
+
+// R query rows of a GQA group share every K (or V) load from L1: fewer loads per FMA.
+template <int R, class KT>
+static inline void qk_rows(const float* q, const KT* K, int n, int D, float* s, int lds) {
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const KT* k = K + (int64_t)j * D;
+    __m256 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+      const __m256 k0 = load8(k + d), k1 = load8(k + D + d), k2 = load8(k + 2 * D + d), k3 = load8(k + 3 * D + d);
+      for (int r = 0; r < R; ++r) {
+        const __m256 qv = _mm256_loadu_ps(q + (int64_t)r * D + d);
+        acc[r][0] = _mm256_fmadd_ps(qv, k0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(qv, k1, acc[r][1]);
+        acc[r][2] = _mm256_fmadd_ps(qv, k2, acc[r][2]);
+        acc[r][3] = _mm256_fmadd_ps(qv, k3, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      _mm_storeu_ps(s + (int64_t)r * lds + j, hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+  }
+  for (; j < n; ++j) {
+    const KT* k = K + (int64_t)j * D;
+    for (int r = 0; r < R; ++r) {
+      __m256 a0 = _mm256_setzero_ps();
+      for (int d = 0; d < D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + (int64_t)r * D + d), load8(k + d), a0);
+      s[(int64_t)r * lds + j] = hsum(a0);
+    }
+  }
+}
+
+template <class KT>
+static void qk_tile(const float* Q, const void*, int M, const KT* K, int n, int D, float* S,
+                    int lds) {
+  int r = 0;
+  for (; r + 2 <= M; r += 2) qk_rows<2>(Q + (int64_t)r * D, K, n, D, S + (int64_t)r * lds, lds);
+  for (; r < M; ++r) qk_rows<1>(Q + (int64_t)r * D, K, n, D, S + (int64_t)r * lds, lds);
+}
+
+template <int R, class KT>
+static inline void pv_rows(float* A, const float* P, int lds, const KT* V, int n, int D) {
+  int d = 0;
+  for (; d + 32 <= D; d += 32) {
+    __m256 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_loadu_ps(A + (int64_t)r * D + d + 8 * i);
+    for (int j = 0; j < n; ++j) {
+      const KT* v = V + (int64_t)j * D + d;
+      const __m256 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
+      for (int r = 0; r < R; ++r) {
+        const __m256 pj = _mm256_broadcast_ss(P + (int64_t)r * lds + j);
+        acc[r][0] = _mm256_fmadd_ps(pj, v0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(pj, v1, acc[r][1]);
+        acc[r][2] = _mm256_fmadd_ps(pj, v2, acc[r][2]);
+        acc[r][3] = _mm256_fmadd_ps(pj, v3, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(A + (int64_t)r * D + d + 8 * i, acc[r][i]);
+  }
+  for (; d < D; d += 8) {
+    for (int r = 0; r < R; ++r) {
+      __m256 a0 = _mm256_loadu_ps(A + (int64_t)r * D + d);
+      for (int j = 0; j < n; ++j)
+        a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(P + (int64_t)r * lds + j), load8(V + (int64_t)j * D + d), a0);
+      _mm256_storeu_ps(A + (int64_t)r * D + d, a0);
+    }
+  }
+}
+
+template <class KT>
+static void pv_tile(float* A, int M, const float* P, int lds, const KT* V, int n, int D) {
+  int r = 0;
+  for (; r + 2 <= M; r += 2) pv_rows<2>(A + (int64_t)r * D, P + (int64_t)r * lds, lds, V, n, D);
+  for (; r < M; ++r) pv_rows<1>(A + (int64_t)r * D, P + (int64_t)r * lds, lds, V, n, D);
+}
+
+static inline __m256 exp8(__m256 x) {
+  using namespace common;
+  const __m256 valid = _mm256_cmp_ps(x, _mm256_set1_ps(kExpLo), _CMP_GE_OQ);
+  x = _mm256_min_ps(x, _mm256_set1_ps(kExpHi));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(kLog2e), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpP0);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP5));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), valid);
+}
+
+static inline void exp_vec(float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_loadu_ps(x + i)));
+  if (i < n) {
+    float t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(t, x + i, (n - i) * sizeof(float));
+    _mm256_storeu_ps(t, exp8(_mm256_loadu_ps(t)));
+    std::memcpy(x + i, t, (n - i) * sizeof(float));
+  }
+}
+
+#define AK_VARIANT_NAME "avx2"
+#include "kernels_impl.h"
+#undef AK_VARIANT_NAME
+
+}  // namespace avx2
+}  // namespace appliance_kernels
+
+#pragma GCC pop_options
+
+namespace appliance_kernels {
+const KernelTable* kernels_avx2() { return &avx2::kTable; }
+}
+#else
+namespace appliance_kernels {
+const KernelTable* kernels_avx2() { return nullptr; }
+}
+#endif
