@@ -1,0 +1,95 @@
+"""The ``appliance`` command: serve | generate | bench | doctor (each a typer command below)."""
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(help="appliance: an Arm-CPU-first LLM inference engine and OpenAI-compatible server.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+
+@app.callback()
+def _root() -> None:
+    """appliance: an Arm-CPU-first LLM inference engine and OpenAI-compatible server."""
+
+
+def _fail(message: str, code: int = 1):
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+Opt = typer.Option
+
+
+@app.command()
+def serve(
+    model: Annotated[Optional[str], typer.Argument(
+        help="HF model directory or .gguf file; default: the embedded model")] = None,
+    model_opt: Annotated[Optional[str], Opt("--model", help="Same as the MODEL argument.")] = None,
+    tokenizer: Annotated[Optional[str], Opt(help="Tokenizer directory (default: the model's).")] = None,
+    host: Annotated[str, Opt(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, Opt(help="Port to listen on.")] = 8000,
+    served_model_name: Annotated[Optional[str], Opt(help="Model name clients use (default: MODEL).")] = None,
+    api_key: Annotated[Optional[str], Opt(
+        envvar="APPLIANCE_API_KEY", show_envvar=True,
+        help="Require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize.")] = None,
+    max_model_len: Annotated[Optional[int], Opt(help="Context length (default: the model's).")] = None,
+    max_num_seqs: Annotated[Optional[int], Opt(help="Most sequences in one batch.")] = None,
+    max_num_batched_tokens: Annotated[Optional[int], Opt(help="Token budget of one step.")] = None,
+    kv_cache_memory: Annotated[Optional[float], Opt(
+        help="KV cache size in GiB (default: 1/4 of free RAM, at most 4).")] = None,
+    num_kv_blocks: Annotated[Optional[int], Opt(
+        help="Exact number of KV blocks (overrides --kv-cache-memory).")] = None,
+    block_size: Annotated[Optional[int], Opt(help="Tokens per KV block.")] = None,
+    dtype: Annotated[Optional[str], Opt(help="auto | float32 | bfloat16.")] = None,
+    prefix_caching: Annotated[Optional[bool], Opt(
+        "--prefix-caching/--no-prefix-caching", help="Reuse KV blocks of shared prompt prefixes.")] = None,
+    attention_backend: Annotated[Optional[str], Opt(help="auto | native | reference.")] = None,
+    long_prefill_token_threshold: Annotated[Optional[int], Opt(
+        help="Cap on one request's prefill tokens per step (0: none).")] = None,
+    num_threads: Annotated[Optional[int], Opt(help="Threads of the engine process (default: torch's).")] = None,
+    seed: Annotated[Optional[int], Opt(help="Seed of unseeded sampling.")] = None,
+    max_queued_requests: Annotated[Optional[int], Opt(
+        help="Sequences allowed to wait beyond max_num_seqs; more get 503 (default: no limit).")] = None,
+    shutdown_timeout: Annotated[float, Opt(help="Seconds in-flight requests get to finish on SIGTERM.")] = 30.0,
+    log_level: Annotated[str, Opt(help="debug | info | warning | error.")] = "info",
+):
+    """Serve a model over an OpenAI-compatible HTTP API."""
+    from appliance.config import EngineConfig
+    from appliance.errors import ApplianceError
+    from appliance.server.launcher import ServerConfig, serve as run_server
+
+    if model is not None and model_opt is not None and model != model_opt:
+        _fail(f"the model is given twice: {model!r} and --model {model_opt!r}", 2)
+    model = model if model is not None else model_opt
+    engine_kwargs = dict(
+        model=model, tokenizer=tokenizer, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
+        num_kv_blocks=num_kv_blocks, block_size=block_size, dtype=dtype, enable_prefix_caching=prefix_caching,
+        attention_backend=attention_backend, long_prefill_token_threshold=long_prefill_token_threshold,
+        num_threads=num_threads, seed=seed,
+    )
+    try:
+        # Only flags given on the command line; unset ones come from APPLIANCE_* or the defaults.
+        engine_config = EngineConfig.from_kwargs(**{k: v for k, v in engine_kwargs.items()
+                                                    if v is not None or k == "model"})
+        server_config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
+                                     max_queued_requests=max_queued_requests, shutdown_timeout=shutdown_timeout,
+                                     log_level=log_level.lower())
+    except ApplianceError as e:
+        _fail(str(e), 2)
+    try:
+        code = run_server(engine_config, server_config)
+    except ApplianceError as e:
+        _fail(str(e), 1)
+    raise typer.Exit(code)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

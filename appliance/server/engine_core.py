@@ -1,0 +1,261 @@
+"""The engine core process: an ``LLMEngine`` stepping in a loop, driven by typed messages.
+
+The frontend (HTTP, tokenization, chat templates, SSE) lives in another process, so a model step
+never blocks the event loop and an HTTP request never delays a step. The two talk over a pair of
+``multiprocessing`` pipes. The core sends *deltas* (new text, new token ids, new logprobs), not the
+engine's cumulative outputs, so a step's message stays small however long the outputs grow.
+
+Invariants: every message is one of the dataclasses below; the core answers a ``GetStats`` between
+two steps (never mid-step); a request the core refuses gets exactly one ``RequestError`` and no
+output; an aborted request gets no further output.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from appliance.config import EngineConfig
+from appliance.errors import ApplianceError, InvalidRequestError
+from appliance.sampling_params import SamplingParams
+
+log = logging.getLogger("appliance.engine_core")
+
+
+# -- frontend -> core -------------------------------------------------------------------------------
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class GetStats:
+    ticket: int
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# -- core -> frontend -------------------------------------------------------------------------------
+@dataclass
+class Ready:
+    info: dict  # model path, dtype, kernels, KV blocks, limits: what the frontend and banner need
+
+
+@dataclass
+class StartupFailed:
+    message: str
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str  # new stable text since the previous delta of this choice
+    token_ids: list[int]  # new token ids
+    logprobs: list[dict[int, float]] | None  # one {token_id: logprob} per new token
+    cumulative_logprob: float | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class RequestDelta:
+    request_id: str
+    choices: list[ChoiceDelta]  # only the choices that changed
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None  # sent once, with the request's first delta
+    first: bool = False
+
+
+@dataclass
+class StepOutputs:
+    deltas: list[RequestDelta]
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class RequestError:
+    request_id: str
+    message: str
+    param: str | None
+
+
+@dataclass
+class Stats:
+    ticket: int
+    stats: dict
+
+
+@dataclass
+class EngineDead:
+    message: str
+
+
+def engine_stats(engine) -> dict:
+    pool = engine.kv.pool
+    return {
+        "num_running": engine.scheduler.num_running,
+        "num_waiting": engine.scheduler.num_waiting,
+        "kv_cache_usage": engine.kv_cache_usage(),
+        "prefix_cache_queries": pool.num_queries,
+        "prefix_cache_hits": pool.num_hits,
+        "num_preemptions": engine.scheduler.num_preemptions,
+        "steps": engine.stats["steps"],
+    }
+
+
+def engine_info(engine) -> dict:
+    runner = engine.runner
+    ops = getattr(runner, "ops", None)
+    kernels = getattr(ops, "__name__", str(ops)).rsplit(".", 1)[-1]
+    import torch
+
+    return {
+        "model_path": str(engine.model_path),
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "kernels": kernels,
+        "num_kv_blocks": runner.num_blocks,
+        "block_size": engine.config.block_size,
+        "kv_cache_gib": runner.num_blocks * runner.bytes_per_block / (1 << 30),
+        "max_model_len": engine.max_model_len,
+        "vocab_size": engine.vocab_size,
+        "max_num_seqs": engine.config.max_num_seqs,
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+        "prefix_caching": engine.config.enable_prefix_caching,
+        "num_threads": torch.get_num_threads(),
+        "pid": os.getpid(),
+    }
+
+
+class EngineCore:
+    """Turns the engine's cumulative ``RequestOutput``s into ``RequestDelta``s."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        # request id -> per choice (sent text length, sent token count)
+        self.sent: dict[str, list[list[int]]] = {}
+
+    def add(self, msg: AddRequest) -> RequestError | None:
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+        except InvalidRequestError as e:
+            return RequestError(msg.request_id, str(e), e.param)
+        self.sent[msg.request_id] = [[0, 0] for _ in range(msg.params.n)]
+        return None
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.engine.abort_request(request_ids)
+        for rid in request_ids:
+            self.sent.pop(rid, None)
+
+    def step(self) -> list[RequestDelta]:
+        deltas = []
+        for out in self.engine.step():
+            sent = self.sent.get(out.request_id)
+            if sent is None:  # aborted while in the step
+                continue
+            first = all(s[1] == 0 for s in sent)
+            choices = []
+            for c in out.outputs:
+                s = sent[c.index]
+                if len(c.token_ids) == s[1] and len(c.text) == s[0] and c.finish_reason is None:
+                    continue
+                choices.append(ChoiceDelta(
+                    c.index, c.text[s[0]:], c.token_ids[s[1]:],
+                    c.logprobs[s[1]:] if c.logprobs is not None else None,
+                    c.cumulative_logprob, c.finish_reason, c.stop_reason))
+                s[0], s[1] = len(c.text), len(c.token_ids)
+            if out.finished:
+                del self.sent[out.request_id]
+            deltas.append(RequestDelta(out.request_id, choices, out.finished, out.num_cached_tokens,
+                                       out.prompt_logprobs if first else None, first))
+        return deltas
+
+
+def run_engine_core(config: EngineConfig, in_conn, out_conn, log_level: int = logging.INFO) -> None:
+    """Entry point of the engine process (spawned). Returns when told to shut down or when the
+    frontend goes away (its end of the pipe closes)."""
+    # Ctrl-C and a group-wide SIGTERM (systemd, `timeout`, docker --init) reach this process too;
+    # the frontend decides when the core stops (Shutdown message), or the core sees the pipe close.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine] %(message)s")
+    try:
+        from appliance.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(config)
+        _warm_up(engine)
+        info = engine_info(engine)
+    except ApplianceError as e:
+        out_conn.send(StartupFailed(str(e)))
+        return
+    except Exception as e:  # noqa: BLE001 - report any load failure to the frontend, then exit
+        out_conn.send(StartupFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    out_conn.send(Ready(info))
+    core = EngineCore(engine)
+    try:
+        _loop(core, in_conn, out_conn)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the frontend is gone: nothing left to serve
+    except Exception as e:  # noqa: BLE001 - the frontend must learn why the core died
+        log.exception("engine core failed")
+        try:
+            out_conn.send(EngineDead(f"{type(e).__name__}: {e}"))
+        except (OSError, EOFError):
+            pass
+
+
+def _warm_up(engine) -> None:
+    """One short greedy request before serving: the first forward of each shape is slow (kernel
+    and allocator set-up), and the first user should not pay for it. The prompt is shorter than a
+    block, so nothing enters the prefix cache; the counters are reset so /metrics starts at zero."""
+    n = max(1, min(8, engine.config.block_size - 1, engine.max_model_len - 3))
+    engine.add_request("__warmup__", list(range(1, n + 1)), SamplingParams(max_tokens=2, temperature=0.0,
+                                                                         ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.kv.pool.num_queries = engine.kv.pool.num_hits = 0
+
+
+def _loop(core: EngineCore, in_conn, out_conn) -> None:
+    engine = core.engine
+    while True:
+        # Idle: block until the frontend sends something. Busy: only drain what is already there.
+        if not engine.has_unfinished_requests():
+            in_conn.poll(None)
+        replies = []
+        while in_conn.poll(0):
+            msg = in_conn.recv()
+            if isinstance(msg, AddRequest):
+                err = core.add(msg)
+                if err is not None:
+                    replies.append(err)
+            elif isinstance(msg, AbortRequests):
+                core.abort(msg.request_ids)
+            elif isinstance(msg, GetStats):
+                replies.append(Stats(msg.ticket, engine_stats(engine)))
+            elif isinstance(msg, Shutdown):
+                core.abort(list(core.sent))
+                return
+        for r in replies:
+            out_conn.send(r)
+        if engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            deltas = core.step()
+            if deltas:
+                out_conn.send(StepOutputs(deltas, {**engine_stats(engine),
+                                                   "step_s": time.perf_counter() - t0}))

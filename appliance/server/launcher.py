@@ -1,0 +1,179 @@
+"""``appliance serve``: start the engine core process, print the banner, run uvicorn, and shut down
+gracefully on SIGTERM / Ctrl-C.
+
+Shutdown: the first SIGTERM or SIGINT closes the listening sockets and refuses new requests (503),
+lets in-flight requests finish for up to ``shutdown_timeout`` seconds, aborts what is left, stops
+the engine process and returns normally, so the process exits 0. A second Ctrl-C forces the exit.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import uvicorn
+
+from appliance.config import EngineConfig
+from appliance.errors import ApplianceError
+from appliance.server.async_engine import AsyncEngineClient
+from appliance.server.metrics import ServerMetrics
+from appliance.server.openai_serving import OpenAIServing
+
+log = logging.getLogger("appliance.server")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Server-side settings (the engine's are in ``EngineConfig``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # None: the model argument (or the default model's name)
+    api_key: str | None = None
+    max_queued_requests: int | None = None  # None: no limit beyond memory
+    shutdown_timeout: float = 30.0
+    log_level: str = "info"
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ApplianceError(f"--port must be in [0, 65535], got {self.port}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ApplianceError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
+        if self.shutdown_timeout < 0:
+            raise ApplianceError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, serving: OpenAIServing, shutdown_timeout: float):
+        super().__init__(config)
+        self.serving = serving
+        self.shutdown_timeout = shutdown_timeout
+        self._term_requested = False
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        # Unlike uvicorn's, this does not re-raise the signal after shutdown: a server stopped by
+        # SIGTERM has done what it was asked and exits 0.
+        if self._term_requested or self.should_exit:
+            if sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+            return
+        self._term_requested = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._term_requested and self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self._drain())
+        return await super().on_tick(counter)
+
+    async def _drain(self) -> None:
+        serving, client = self.serving, self.serving.client
+        serving.draining = True
+        for s in self.servers:  # stop accepting connections now; uvicorn closes them again later
+            s.close()
+        n = client.num_in_flight
+        log.info("shutting down: %d request(s) in flight, waiting up to %.1f s", n, self.shutdown_timeout)
+        deadline = time.monotonic() + self.shutdown_timeout
+        while client.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if client.num_in_flight:
+            log.warning("shutdown timeout (%.1f s): aborting %d request(s)", self.shutdown_timeout,
+                        client.num_in_flight)
+            serving.abort_all()
+            await asyncio.sleep(0.2)  # let the handlers send their last bytes
+        self.should_exit = True
+
+
+def _load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - tokenizers raise many types for bad files
+        raise ApplianceError(f"{path}: cannot load tokenizer ({e})") from e
+
+
+def print_banner(engine_config: EngineConfig, server: ServerConfig, names: list[str], info: dict) -> None:
+    from rich.console import Console
+    from rich.panel import Panel
+    from rich.table import Table
+
+    from appliance.runtime.cpu_features import detect
+
+    cpu = detect()
+    feats = [f for f in ("asimd", "asimddp", "i8mm", "bf16", "sve", "sve2", "avx2", "avx512f", "avx512_bf16",
+                         "amx_bf16") if cpu.has(f)]
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold cyan")
+    t.add_column()
+    t.add_row("model", f"{', '.join(names)}  [dim]{info['model_path']}[/]")
+    t.add_row("dtype", info["dtype"])
+    t.add_row("kernels", f"{info['kernels']}  [dim]({info['num_threads']} threads)[/]")
+    t.add_row("cpu", f"{cpu.model_name} [dim]{cpu.arch} {' '.join(feats)}[/]")
+    t.add_row("KV cache", f"{info['num_kv_blocks']} blocks x {info['block_size']} tokens = "
+                          f"{info['num_kv_blocks'] * info['block_size']} tokens ({info['kv_cache_gib']:.2f} GiB), "
+                          f"prefix caching {'on' if info['prefix_caching'] else 'off'}")
+    t.add_row("limits", f"max_model_len {info['max_model_len']}, max_num_seqs {info['max_num_seqs']}, "
+                        f"max_num_batched_tokens {info['max_num_batched_tokens']}, max_queued_requests "
+                        f"{server.max_queued_requests if server.max_queued_requests is not None else 'unlimited'}")
+    t.add_row("auth", "API key required" if server.api_key else "none (set --api-key or APPLIANCE_API_KEY)")
+    t.add_row("engine", f"core process pid {info['pid']}")
+    t.add_row("address", f"[bold green]http://{server.host}:{server.port}/v1[/]")
+    import appliance
+
+    Console(stderr=True).print(Panel(t, title=f"appliance {appliance.__version__}", expand=False))
+
+
+def serve(engine_config: EngineConfig, server: ServerConfig) -> int:
+    """Run the server until SIGTERM / Ctrl-C. Returns the process exit code."""
+    logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    from appliance.models.default_model import resolve_model
+
+    model_path = resolve_model(engine_config.model)  # once, here: the core gets a plain path
+    names = [server.served_model_name or (engine_config.model if engine_config.model is not None
+                                          else _default_name())]
+    client = AsyncEngineClient(engine_config.replace(model=str(model_path)),
+                               log_level=logging.getLevelName(server.log_level.upper()))
+    t0 = time.perf_counter()
+    client.start_process()
+    try:
+        tokenizer = _load_tokenizer(engine_config.tokenizer or model_path)  # while the core loads the model
+        info = client.wait_ready()
+    except BaseException:
+        client.shutdown(timeout=2)
+        raise
+    log.info("engine ready in %.1f s", time.perf_counter() - t0)
+    serving = OpenAIServing(client, tokenizer, names, ServerMetrics(names[0]), server.max_queued_requests)
+
+    async def on_shutdown():
+        serving.abort_all()
+        await asyncio.to_thread(client.shutdown)
+
+    from appliance.server.api import build_app
+
+    app = build_app(serving, server.api_key, on_startup=client.attach, on_shutdown=on_shutdown)
+    config = uvicorn.Config(app, host=server.host, port=server.port, log_level=server.log_level, access_log=False,
+                            timeout_graceful_shutdown=2, lifespan="on")
+    print_banner(engine_config, server, names, info)
+    srv = _Server(config, serving, server.shutdown_timeout)
+    try:
+        srv.run()
+    finally:
+        client.shutdown(timeout=2)
+    if not srv.started:
+        return 1  # uvicorn could not bind (it logged why)
+    log.info("server stopped")
+    return 0
+
+
+def _default_name() -> str:
+    try:
+        from appliance.models.default_model import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+    except ImportError:
+        return "default"

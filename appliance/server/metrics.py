@@ -1,0 +1,119 @@
+"""Prometheus metrics in the text exposition format (0.0.4), written by hand: the frontend is one
+process and the set is small, so ~100 lines beat a dependency. Names follow vLLM's with the
+``appliance:`` prefix, so dashboards built for one map onto the other.
+
+Request-level counters and latency histograms are measured in the frontend (what a client sees);
+scheduler and KV-cache numbers are read from the engine core when ``/metrics`` is scraped.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def _fmt(v: float) -> str:
+    if v == math.inf:
+        return "+Inf"
+    if float(v).is_integer():
+        return str(int(v))
+    return repr(float(v))
+
+
+def _labels(d: dict) -> str:
+    if not d:
+        return ""
+    esc = {k: str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"') for k, v in d.items()}
+    return "{" + ",".join(f'{k}="{v}"' for k, v in esc.items()) + "}"
+
+
+class Histogram:
+    def __init__(self, buckets=LATENCY_BUCKETS):
+        self.bounds = tuple(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, v)] += 1
+        self.sum += v
+        self.count += 1
+
+    def lines(self, name: str, labels: dict) -> list[str]:
+        out, acc = [], 0
+        for bound, c in zip(self.bounds + (math.inf,), self.counts):
+            acc += c
+            out.append(f"{name}_bucket{_labels({**labels, 'le': _fmt(bound)})} {acc}")
+        out.append(f"{name}_sum{_labels(labels)} {_fmt(self.sum)}")
+        out.append(f"{name}_count{_labels(labels)} {self.count}")
+        return out
+
+
+class ServerMetrics:
+    """Everything ``/metrics`` shows. Updated from the event loop only (no locks needed)."""
+
+    def __init__(self, model_name: str):
+        self.labels = {"model_name": model_name}
+        self.requests = {r: 0 for r in FINISH_REASONS}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.ttft = Histogram()
+        self.tpot = Histogram()  # per request: (e2e - ttft) / (output tokens - 1)
+        self.itl = Histogram()  # every gap between two deltas of a stream
+        self.e2e = Histogram()
+        self.rejected = 0  # refused for capacity (--max-queued-requests) or shutdown
+
+    def finish(self, reason: str, num_prompt: int, num_output: int, ttft: float | None, e2e: float) -> None:
+        self.requests[reason if reason in self.requests else "stop"] += 1
+        self.prompt_tokens += num_prompt
+        self.generation_tokens += num_output
+        if ttft is not None:
+            self.ttft.observe(ttft)
+            if num_output > 1:
+                self.tpot.observe((e2e - ttft) / (num_output - 1))
+        self.e2e.observe(e2e)
+
+    def render(self, engine: dict) -> str:
+        L = self.labels
+        out: list[str] = []
+
+        def metric(name, kind, help_, samples):
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} {kind}")
+            out.extend(samples)
+
+        metric("appliance:request_success_total", "counter", "Finished requests by finish reason.",
+               [f"appliance:request_success_total{_labels({**L, 'finished_reason': r})} {n}"
+                for r, n in self.requests.items()])
+        metric("appliance:request_rejected_total", "counter",
+               "Requests refused because the queue was full or the server was shutting down.",
+               [f"appliance:request_rejected_total{_labels(L)} {self.rejected}"])
+        metric("appliance:prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+               [f"appliance:prompt_tokens_total{_labels(L)} {self.prompt_tokens}"])
+        metric("appliance:generation_tokens_total", "counter", "Generated tokens of finished requests.",
+               [f"appliance:generation_tokens_total{_labels(L)} {self.generation_tokens}"])
+        for name, h, help_ in (
+            ("appliance:time_to_first_token_seconds", self.ttft, "Time to first token."),
+            ("appliance:time_per_output_token_seconds", self.tpot, "Mean time per output token, per request."),
+            ("appliance:inter_token_latency_seconds", self.itl, "Time between two streamed deltas."),
+            ("appliance:e2e_request_latency_seconds", self.e2e, "End-to-end request latency."),
+        ):
+            metric(name, "histogram", help_, h.lines(name, L))
+        gauges = (
+            ("appliance:num_requests_running", "num_running", "Sequences in the running batch."),
+            ("appliance:num_requests_waiting", "num_waiting", "Sequences waiting to be scheduled."),
+            ("appliance:kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV cache blocks in use (0-1)."),
+        )
+        for name, key, help_ in gauges:
+            metric(name, "gauge", help_, [f"{name}{_labels(L)} {_fmt(engine.get(key, 0))}"])
+        counters = (
+            ("appliance:prefix_cache_queries_total", "prefix_cache_queries", "Prefix-cache lookups, in tokens."),
+            ("appliance:prefix_cache_hits_total", "prefix_cache_hits", "Prefix-cache hits, in tokens."),
+            ("appliance:num_preemptions_total", "num_preemptions", "Preemptions (KV cache full)."),
+        )
+        for name, key, help_ in counters:
+            metric(name, "counter", help_, [f"{name}{_labels(L)} {_fmt(engine.get(key, 0))}"])
+        return "\n".join(out) + "\n"
