@@ -87,6 +87,51 @@ def serve(
     raise typer.Exit(code)
 
 
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="The prompt text.")],
+    model: Annotated[Optional[str], typer.Option(help="HF model directory or .gguf file; default: the embedded model")] = None,
+    chat: Annotated[bool, typer.Option(help="Wrap the prompt as a user message in the model's chat template.")] = False,
+    system: Annotated[Optional[str], typer.Option(help="System message (with --chat).")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    top_k: Annotated[int, typer.Option(help="0 or -1: off.")] = 0,
+    min_p: Annotated[float, typer.Option()] = 0.0,
+    seed: Annotated[Optional[int], typer.Option(help="Per-request seed.")] = None,
+    n: Annotated[int, typer.Option(help="Number of completions.")] = 1,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    repetition_penalty: Annotated[float, typer.Option()] = 1.0,
+    presence_penalty: Annotated[float, typer.Option()] = 0.0,
+    frequency_penalty: Annotated[float, typer.Option()] = 0.0,
+    min_tokens: Annotated[int, typer.Option()] = 0,
+    ignore_eos: Annotated[bool, typer.Option(help="Keep generating past the end-of-sequence token.")] = False,
+    dtype: Annotated[Optional[str], typer.Option(help="auto | float32 | bfloat16.")] = None,
+    max_model_len: Annotated[Optional[int], typer.Option(help="Context length (default: the model's).")] = None,
+    kv_cache_memory: Annotated[Optional[float], typer.Option(help="KV cache size in GiB.")] = None,
+    block_size: Annotated[Optional[int], typer.Option(help="Tokens per KV block.")] = None,
+    attention_backend: Annotated[Optional[str], typer.Option(help="auto | native | reference.")] = None,
+    num_threads: Annotated[Optional[int], typer.Option(help="Threads for the model.")] = None,
+):
+    """Generate from one prompt with the offline engine, streaming to the terminal."""
+    from appliance.config import EngineConfig
+    from appliance.errors import ApplianceError
+    from appliance.generate import run_generate
+    from appliance.sampling_params import SamplingParams
+
+    engine_kwargs = dict(model=model, dtype=dtype, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+                         block_size=block_size, attention_backend=attention_backend, num_threads=num_threads)
+    try:
+        config = EngineConfig.from_kwargs(**{k: v for k, v in engine_kwargs.items() if v is not None or k == "model"})
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                                stop=stop, max_tokens=max_tokens, repetition_penalty=repetition_penalty,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                min_tokens=min_tokens, ignore_eos=ignore_eos)
+        run_generate(config, prompt, params, chat=chat, system=system)
+    except ApplianceError as e:
+        _fail(str(e), 2)
+
+
 def main() -> None:
     app()
 
