@@ -47,6 +47,7 @@ def serve(
     prefix_caching: Annotated[Optional[bool], Opt(
         "--prefix-caching/--no-prefix-caching", help="Reuse KV blocks of shared prompt prefixes.")] = None,
     attention_backend: Annotated[Optional[str], Opt(help="auto | native | reference.")] = None,
+    linear_backend: Annotated[Optional[str], Opt(help="auto (measured per shape) | torch | onednn.")] = None,
     long_prefill_token_threshold: Annotated[Optional[int], Opt(
         help="Cap on one request's prefill tokens per step (0: none).")] = None,
     num_threads: Annotated[Optional[int], Opt(help="Threads of the engine process (default: torch's).")] = None,
@@ -69,7 +70,7 @@ def serve(
         max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
         num_kv_blocks=num_kv_blocks, block_size=block_size, dtype=dtype, enable_prefix_caching=prefix_caching,
         attention_backend=attention_backend, long_prefill_token_threshold=long_prefill_token_threshold,
-        num_threads=num_threads, seed=seed,
+        linear_backend=linear_backend, num_threads=num_threads, seed=seed,
     )
     try:
         # Only flags given on the command line; unset ones come from APPLIANCE_* or the defaults.
@@ -111,6 +112,7 @@ def generate(
     kv_cache_memory: Annotated[Optional[float], typer.Option(help="KV cache size in GiB.")] = None,
     block_size: Annotated[Optional[int], typer.Option(help="Tokens per KV block.")] = None,
     attention_backend: Annotated[Optional[str], typer.Option(help="auto | native | reference.")] = None,
+    linear_backend: Annotated[Optional[str], typer.Option(help="auto (measured per shape) | torch | onednn.")] = None,
     num_threads: Annotated[Optional[int], typer.Option(help="Threads for the model.")] = None,
 ):
     """Generate from one prompt with the offline engine, streaming to the terminal."""
@@ -120,7 +122,8 @@ def generate(
     from appliance.sampling_params import SamplingParams
 
     engine_kwargs = dict(model=model, dtype=dtype, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
-                         block_size=block_size, attention_backend=attention_backend, num_threads=num_threads)
+                         block_size=block_size, attention_backend=attention_backend, linear_backend=linear_backend,
+                         num_threads=num_threads)
     try:
         config = EngineConfig.from_kwargs(**{k: v for k, v in engine_kwargs.items() if v is not None or k == "model"})
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,

@@ -14,6 +14,7 @@ from appliance.errors import InvalidRequestError
 
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "native", "reference")
+LINEAR_BACKENDS = ("auto", "torch", "onednn")
 
 
 def _positive(name: str, value, allow_none: bool = False):
@@ -39,6 +40,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0  # 0: no extra per-request cap beyond the budget
     attention_backend: str = "auto"
+    linear_backend: str = "auto"
     seed: int = 0
     num_threads: int | None = None
     device: str = "cpu"
@@ -51,6 +53,11 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {self.attention_backend!r}",
                 "attention_backend",
+            )
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise InvalidRequestError(
+                f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}; got {self.linear_backend!r}",
+                "linear_backend",
             )
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)

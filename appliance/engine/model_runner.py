@@ -10,6 +10,7 @@ import torch
 
 from appliance.config import EngineConfig
 from appliance.engine.scheduler import SchedulerOutput
+from appliance.layers.linear import select_backends
 from appliance.layers.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from appliance.models.loader import ModelInfo, load_model
 from appliance.ops import get_ops
@@ -31,6 +32,7 @@ class ModelRunner:
         self.model = load_model(info, dtype, device)
         self.ops = get_ops(config.attention_backend)
         self.model.prepare(self.ops, max_model_len, device)
+        self.linear_backends = select_backends(self.model, config.linear_backend, dtype, device)
         cfg = self.model.config
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads, self.head_size = cfg.num_key_value_heads, cfg.head_dim

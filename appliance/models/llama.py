@@ -171,9 +171,13 @@ class LlamaForCausalLM(nn.Module):
         """After weights are loaded: pick the ops module and build the rotary cache."""
         self.ops = ops
         self.rotary = Rotary(self.config, max_position, device)
-
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        if self.config.tie_word_embeddings:
+            # The logits projection shares the embedding's weight; a Linear around it lets the
+            # linear backends (e.g. a prepacked copy) apply to it like to any other layer.
+            emb = self.model.embed_tokens.weight
+            self.lm_head = Linear(emb.shape[1], emb.shape[0])
+            self.lm_head.weight = emb
+            self.lm_head.keep_weight = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
@@ -187,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> float32 logits [n, vocab]."""
-        return torch.matmul(hidden, self.lm_head_weight().t()).float()
+        return self.lm_head(hidden).float()
 
     def param_for(self, name: str) -> tuple[str, str | None]:
         """Map a checkpoint tensor name to (parameter name, shard of a fused weight or None)."""

@@ -48,7 +48,7 @@ MESSAGES = [
 ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cache_env(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     cache = tmp_path_factory.mktemp("appliance-cache")
@@ -57,19 +57,19 @@ def cache_env(tmp_path_factory):
     mp.undo()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gguf_path() -> Path:
     return default_model.default_gguf_path()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def converted(cache_env, gguf_path):
     start = time.perf_counter()
     out = converted_model_dir(gguf_path)
     return out, time.perf_counter() - start
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ref_tokenizer(gguf_path):
     return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
@@ -84,12 +84,12 @@ def _from_gguf(path: Path) -> torch.nn.Module:
     return model.eval()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ref_model(gguf_path):
     return _from_gguf(gguf_path)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def our_model(converted):
     return AutoModelForCausalLM.from_pretrained(str(converted[0])).eval()
 
@@ -283,7 +283,7 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm_vocab(gguf_path):
     # A valid 2048-token BPE cut from SmolLM2's: ids are in merge order, so keeping the first
     # K tokens and the merges among them is self-consistent. Small keeps GGUF parsing fast.

@@ -76,3 +76,20 @@ def test_max_model_len_defaults_to_max_position_embeddings(llama_dir):
     assert llm.engine.max_model_len == 512
     small = LLM(str(llama_dir), dtype="float32", num_kv_blocks=64, max_model_len=100)
     assert small.engine.max_model_len == 100
+
+
+@pytest.mark.parametrize("arch,tie", [("llama", True), ("qwen2", False)])
+def test_prepacked_onednn_linear_matches_transformers(tiny_model_dir, arch, tie):
+    path = tiny_model_dir(arch, tie, 2)
+    llm = LLM(str(path), dtype="float32", linear_backend="onednn", num_kv_blocks=128)
+    assert set(llm.engine.runner.linear_backends.values()) == {"onednn"}
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(p) for p in PROMPTS]
+    outs = llm.generate(prompt_token_ids=ids,
+                        sampling_params=SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    hf, ref = hf_greedy(path, ids, MAX_NEW)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    for p in ids:
+        with torch.no_grad():
+            want = hf(torch.tensor([p])).logits[0, -1].float()
+        torch.testing.assert_close(engine_logits(llm, p), want, atol=1e-4, rtol=0)
