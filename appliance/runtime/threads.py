@@ -1,0 +1,211 @@
+"""Where the engine's OpenMP threads run: how many, on which CPUs, and the environment that makes
+libgomp bind them there.
+
+Default (``--omp-threads-bind auto``): one thread per physical core of one NUMA node (the node with
+the most CPUs this process may use), each pinned to its core, static schedule. SMT siblings are left
+out: two threads on one core share its vector units and slow each other down. The HTTP frontend runs
+on the CPUs left over (``frontend_cpus``), so the two processes never fight over a core.
+
+``--omp-threads-bind`` also takes an explicit CPU list like vLLM's (``0-31``, ``0-15,32-47``, ``0,2,4``)
+or ``nobind`` (no pinning; thread count = ``num_threads`` or the physical cores).
+
+The placement is applied in two halves, because libgomp reads its settings when it is loaded:
+``omp_env`` gives the child process ``OMP_NUM_THREADS``/``OMP_PLACES``/``OMP_PROC_BIND`` before it
+starts; ``apply`` (called first thing in the child) sets the process's CPU mask and torch's thread
+count.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from appliance.errors import ApplianceError
+
+log = logging.getLogger(__name__)
+_SYS = Path("/sys/devices/system")
+
+
+def parse_cpu_list(spec: str) -> list[int]:
+    """``"0-3,8,10-11"`` -> [0, 1, 2, 3, 8, 10, 11] (sorted, no duplicates). Raises ApplianceError
+    naming the bad part."""
+    cpus: set[int] = set()
+    for part in spec.replace(" ", "").split(","):
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        try:
+            a = int(lo)
+            b = int(hi) if sep else a
+        except ValueError:
+            raise ApplianceError(f"--omp-threads-bind: {part!r} in {spec!r} is not a CPU number or range "
+                                 "(expected e.g. 0-31 or 0-15,32-47)") from None
+        if a < 0 or b < a:
+            raise ApplianceError(f"--omp-threads-bind: bad range {part!r} in {spec!r} (need 0 <= first <= last)")
+        cpus.update(range(a, b + 1))
+    if not cpus:
+        raise ApplianceError(f"--omp-threads-bind: {spec!r} names no CPU")
+    return sorted(cpus)
+
+
+def format_cpu_list(cpus: list[int]) -> str:
+    """[0, 1, 2, 3, 8] -> ``"0-3,8"``."""
+    out, cpus = [], sorted(set(cpus))
+    i = 0
+    while i < len(cpus):
+        j = i
+        while j + 1 < len(cpus) and cpus[j + 1] == cpus[j] + 1:
+            j += 1
+        out.append(str(cpus[i]) if i == j else f"{cpus[i]}-{cpus[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def numa_nodes() -> dict[int, list[int]]:
+    """NUMA node -> its CPUs, from sysfs; one node with every CPU when sysfs has none."""
+    nodes: dict[int, list[int]] = {}
+    for d in sorted(_SYS.glob("node/node[0-9]*")):
+        cl = _read(d / "cpulist")
+        if cl:
+            nodes[int(d.name[4:])] = parse_cpu_list(cl)
+    if not nodes:
+        nodes[0] = sorted(os.sched_getaffinity(0))
+    return nodes
+
+
+def core_of(cpu: int) -> tuple[int, int]:
+    """(package, core) of a logical CPU; SMT siblings share it. Falls back to the CPU itself."""
+    topo = _SYS / "cpu" / f"cpu{cpu}" / "topology"
+    pkg, core = _read(topo / "physical_package_id"), _read(topo / "core_id")
+    if pkg is None or core is None:
+        return (0, cpu)
+    return (int(pkg), int(core))
+
+
+def one_cpu_per_core(cpus: list[int]) -> list[int]:
+    """The lowest-numbered logical CPU of each physical core among ``cpus``."""
+    firsts: dict[tuple[int, int], int] = {}
+    for c in sorted(cpus):
+        firsts.setdefault(core_of(c), c)
+    return sorted(firsts.values())
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The engine's OpenMP threads: ``cpus`` (None: not pinned) and ``num_threads``."""
+
+    num_threads: int
+    cpus: tuple[int, ...] | None
+    numa_node: int | None = None
+    spec: str = "auto"
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    def describe(self) -> str:
+        where = f"pinned to CPUs {format_cpu_list(list(self.cpus))}" if self.cpus else "not pinned"
+        node = f", NUMA node {self.numa_node}" if self.numa_node is not None else ""
+        return f"{self.num_threads} OpenMP threads, {where}{node}"
+
+
+def resolve(spec: str = "auto", num_threads: int | None = None, allowed: set[int] | None = None) -> Placement:
+    """Turn ``--omp-threads-bind`` (+ an optional explicit thread count) into a Placement."""
+    allowed = set(os.sched_getaffinity(0)) if allowed is None else set(allowed)
+    warnings: list[str] = []
+    if num_threads is not None and num_threads < 1:
+        raise ApplianceError(f"--num-threads must be >= 1, got {num_threads}")
+    spec = (spec or "auto").strip()
+    node = None
+    if spec == "nobind":
+        cores = len(one_cpu_per_core(sorted(allowed)))
+        n = num_threads or cores
+        if n > len(allowed):
+            warnings.append(f"{n} threads on {len(allowed)} usable CPUs: oversubscribed; use --num-threads {cores}")
+        return Placement(n, None, None, spec, tuple(warnings))
+    if spec == "auto":
+        nodes = {k: [c for c in v if c in allowed] for k, v in numa_nodes().items()}
+        node = max(nodes, key=lambda k: (len(nodes[k]), -k))
+        cpus = one_cpu_per_core(nodes[node]) or sorted(allowed)
+    else:
+        cpus = parse_cpu_list(spec)
+        bad = [c for c in cpus if c not in allowed]
+        if bad:
+            raise ApplianceError(f"--omp-threads-bind {spec}: CPU(s) {format_cpu_list(bad)} are not available to "
+                                 f"this process (allowed: {format_cpu_list(sorted(allowed))})")
+        owners = {k for k, v in numa_nodes().items() for c in cpus if c in v}
+        if len(owners) > 1:
+            warnings.append(f"--omp-threads-bind {spec} spans NUMA nodes {sorted(owners)}: memory traffic "
+                            "crosses the interconnect; bind to one node's cores")
+        node = owners.pop() if len(owners) == 1 else None
+        physical = one_cpu_per_core(cpus)
+        if len(physical) < len(cpus):
+            warnings.append(f"--omp-threads-bind {spec} puts threads on SMT siblings "
+                            f"({len(cpus)} CPUs, {len(physical)} physical cores); use {format_cpu_list(physical)}")
+    n = num_threads or len(cpus)
+    if n > len(cpus):
+        warnings.append(f"{n} OpenMP threads on {len(cpus)} cores: oversubscribed, threads will time-share; "
+                        f"use --num-threads {len(cpus)} (or bind more cores)")
+    elif n < len(cpus):
+        cpus = cpus[:n]
+    return Placement(n, tuple(cpus), node, spec, tuple(warnings))
+
+
+def omp_env(p: Placement) -> dict[str, str]:
+    """What libgomp must see when it loads: thread count, places (one CPU each), close binding,
+    static schedule, no dynamic thread adjustment."""
+    env = {"OMP_NUM_THREADS": str(p.num_threads), "OMP_SCHEDULE": "static", "OMP_DYNAMIC": "false"}
+    if p.cpus:
+        cpus = list(p.cpus)
+        # With more threads than places libgomp would spread several threads per place; bind only
+        # when every thread has its own CPU.
+        if p.num_threads <= len(cpus):
+            env["OMP_PLACES"] = ",".join(f"{{{c}}}" for c in cpus[:p.num_threads])
+            env["OMP_PROC_BIND"] = "close"
+    return env
+
+
+def apply(p: Placement) -> None:
+    """In the engine process: set torch's intra-op thread count and, when libgomp is not binding
+    the threads itself (no ``OMP_PLACES`` in the environment), restrict the process to the
+    placement's CPUs.
+
+    Resolve the placement in the parent and pass it in: once libgomp has loaded with OMP_PLACES it
+    has bound the calling thread to place 0, so ``os.sched_getaffinity`` here shows one CPU."""
+    for w in p.warnings:
+        log.warning("%s", w)
+    if p.cpus and "OMP_PLACES" not in os.environ:
+        os.sched_setaffinity(0, set(p.cpus))
+    try:
+        import torch
+
+        torch.set_num_threads(p.num_threads)
+    except ImportError:
+        pass
+
+
+def frontend_cpus(p: Placement, allowed: set[int] | None = None) -> set[int]:
+    """CPUs for the HTTP process: those the engine does not use (all of them when none are left)."""
+    allowed = set(os.sched_getaffinity(0)) if allowed is None else set(allowed)
+    if not p.cpus:
+        return allowed
+    # Leave the engine's cores alone, including their SMT siblings.
+    engine_cores = {core_of(c) for c in p.cpus}
+    rest = {c for c in allowed if core_of(c) not in engine_cores}
+    return rest or allowed
+
+
+def thread_affinities(pid: int | str = "self") -> dict[int, str]:
+    """tid -> Cpus_allowed_list of every thread of ``pid`` (to check pinning from outside)."""
+    out: dict[int, str] = {}
+    for t in Path(f"/proc/{pid}/task").iterdir():
+        st = _read(t / "status") or ""
+        for line in st.splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                out[int(t.name)] = line.split(":", 1)[1].strip()
+    return out
