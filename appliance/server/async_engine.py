@@ -97,9 +97,17 @@ class AsyncEngineClient:
         ctx = mp.get_context("spawn")  # never fork a process that holds torch / tokenizer threads
         in_r, self._in_w = ctx.Pipe(duplex=False)
         self._out_r, out_w = ctx.Pipe(duplex=False)
+        from appliance.runtime import threads
+        from appliance.runtime.worker import child_environ, worker_env
+
+        # Placement is resolved here: once libgomp loads with OMP_PLACES it pins the child's main
+        # thread, so the child could no longer see the CPUs it may use.
+        placement = threads.resolve(self.config.omp_threads_bind, self.config.num_threads)
+        env = worker_env(self.config.allocator, placement=placement)
         self._proc = ctx.Process(target=run_engine_core, name="appliance-engine-core",
-                                 args=(self.config, in_r, out_w, self.log_level), daemon=True)
-        self._proc.start()
+                                 args=(self.config, in_r, out_w, self.log_level, placement), daemon=True)
+        with child_environ(env):  # spawn execs a fresh interpreter with this environment (LD_PRELOAD)
+            self._proc.start()
         in_r.close()
         out_w.close()
 

@@ -185,7 +185,8 @@ class EngineCore:
         return deltas
 
 
-def run_engine_core(config: EngineConfig, in_conn, out_conn, log_level: int = logging.INFO) -> None:
+def run_engine_core(config: EngineConfig, in_conn, out_conn, log_level: int = logging.INFO,
+                    placement=None) -> None:
     """Entry point of the engine process (spawned). Returns when told to shut down or when the
     frontend goes away (its end of the pipe closes)."""
     # Ctrl-C and a group-wide SIGTERM (systemd, `timeout`, docker --init) reach this process too;
@@ -195,10 +196,13 @@ def run_engine_core(config: EngineConfig, in_conn, out_conn, log_level: int = lo
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine] %(message)s")
     try:
         from appliance.engine.llm_engine import LLMEngine
+        from appliance.runtime.worker import worker_startup
 
+        runtime = worker_startup(placement)  # pin threads; confirm mimalloc / libgomp are live
         engine = LLMEngine(config)
         _warm_up(engine)
         info = engine_info(engine)
+        info["runtime"] = runtime
     except ApplianceError as e:
         out_conn.send(StartupFailed(str(e)))
         return

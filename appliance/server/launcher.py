@@ -121,6 +121,11 @@ def print_banner(engine_config: EngineConfig, server: ServerConfig, names: list[
                         f"{server.max_queued_requests if server.max_queued_requests is not None else 'unlimited'}")
     t.add_row("auth", "API key required" if server.api_key else "none (set --api-key or APPLIANCE_API_KEY)")
     t.add_row("engine", f"core process pid {info['pid']}")
+    if info.get("runtime"):
+        from appliance.runtime.worker import describe
+
+        for k, v in describe(info["runtime"]).items():
+            t.add_row(k, v)
     t.add_row("address", f"[bold green]http://{server.host}:{server.port}/v1[/]")
     import appliance
 
@@ -147,7 +152,9 @@ def serve(engine_config: EngineConfig, server: ServerConfig) -> int:
         client.shutdown(timeout=2)
         raise
     log.info("engine ready in %.1f s", time.perf_counter() - t0)
-    serving = OpenAIServing(client, tokenizer, names, ServerMetrics(names[0]), server.max_queued_requests)
+    metrics = ServerMetrics(names[0])
+    metrics.runtime = info.get("runtime") or {}
+    serving = OpenAIServing(client, tokenizer, names, metrics, server.max_queued_requests)
 
     async def on_shutdown():
         serving.abort_all()

@@ -57,6 +57,7 @@ class ServerMetrics:
 
     def __init__(self, model_name: str):
         self.labels = {"model_name": model_name}
+        self.runtime: dict = {}  # the engine process's runtime report (allocator, libgomp, OpenMP)
         self.requests = {r: 0 for r in FINISH_REASONS}
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -116,4 +117,12 @@ class ServerMetrics:
         )
         for name, key, help_ in counters:
             metric(name, "counter", help_, [f"{name}{_labels(L)} {_fmt(engine.get(key, 0))}"])
+        alloc = self.runtime.get("allocator")
+        if alloc:
+            live = "true" if alloc.get("name") == "mimalloc" else "false"
+            labels = {**L, "allocator": alloc.get("name") or "unknown",
+                      "version": alloc.get("mimalloc_version") or "", "mimalloc_live": live}
+            metric("appliance:allocator_info", "gauge",
+                   "The engine process's malloc, checked from inside it (1 for the one in use).",
+                   [f"appliance:allocator_info{_labels(labels)} 1"])
         return "\n".join(out) + "\n"
