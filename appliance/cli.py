@@ -29,7 +29,7 @@ def serve(
         help="HF model directory or .gguf file; default: the embedded model")] = None,
     model_opt: Annotated[Optional[str], Opt("--model", help="Same as the MODEL argument.")] = None,
     tokenizer: Annotated[Optional[str], Opt(help="Tokenizer directory (default: the model's).")] = None,
-    host: Annotated[str, Opt(help="Address to listen on.")] = "127.0.0.1",
+    host: Annotated[str, Opt(envvar="APPLIANCE_HOST", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, Opt(help="Port to listen on.")] = 8000,
     served_model_name: Annotated[Optional[str], Opt(help="Model name clients use (default: MODEL).")] = None,
     api_key: Annotated[Optional[str], Opt(
@@ -51,6 +51,10 @@ def serve(
     long_prefill_token_threshold: Annotated[Optional[int], Opt(
         help="Cap on one request's prefill tokens per step (0: none).")] = None,
     num_threads: Annotated[Optional[int], Opt(help="Threads of the engine process (default: torch's).")] = None,
+    allocator: Annotated[Optional[str], Opt(
+        help="malloc of the engine process: mimalloc (LD_PRELOAD) | glibc-tuned | system.")] = None,
+    omp_threads_bind: Annotated[Optional[str], Opt(
+        help="Engine threads' CPUs: auto (physical cores of one NUMA node) | nobind | a list like 0-31.")] = None,
     seed: Annotated[Optional[int], Opt(help="Seed of unseeded sampling.")] = None,
     max_queued_requests: Annotated[Optional[int], Opt(
         help="Sequences allowed to wait beyond max_num_seqs; more get 503 (default: no limit).")] = None,
@@ -70,7 +74,8 @@ def serve(
         max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
         num_kv_blocks=num_kv_blocks, block_size=block_size, dtype=dtype, enable_prefix_caching=prefix_caching,
         attention_backend=attention_backend, long_prefill_token_threshold=long_prefill_token_threshold,
-        linear_backend=linear_backend, num_threads=num_threads, seed=seed,
+        linear_backend=linear_backend, num_threads=num_threads, seed=seed, allocator=allocator,
+        omp_threads_bind=omp_threads_bind,
     )
     try:
         # Only flags given on the command line; unset ones come from APPLIANCE_* or the defaults.
@@ -133,6 +138,20 @@ def generate(
         run_generate(config, prompt, params, chat=chat, system=system)
     except ApplianceError as e:
         _fail(str(e), 2)
+
+
+@app.command()
+def doctor(json: Annotated[bool, Opt("--json", help="Print the report as JSON (schema in appliance.doctor).")] = False):
+    """Report what this host and process give the engine (CPU, torch build, kernels, allocator, libgomp,
+    OpenMP) and how to fix each problem."""
+    from appliance.doctor import run_doctor
+
+    raise typer.Exit(run_doctor(json=json))
+
+
+from appliance.bench.cli import bench_app  # noqa: E402  (imports nothing heavy at start-up)
+
+app.add_typer(bench_app, name="bench")
 
 
 def main() -> None:

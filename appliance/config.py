@@ -14,7 +14,10 @@ from appliance.errors import InvalidRequestError
 
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "native", "reference")
-LINEAR_BACKENDS = ("auto", "torch", "onednn")
+LINEAR_BACKENDS = ("auto", "torch", "onednn",  # float; then quantized (appliance/layers/quant.py)
+                   "w8a8_onednn", "w8a16_int8pack", "w4a8_dynquant", "w4a16_int4pack")
+QUANTIZATIONS = ("none", "w8a8", "w4a8")
+ALLOCATORS = ("mimalloc", "glibc-tuned", "system")
 
 
 def _positive(name: str, value, allow_none: bool = False):
@@ -41,8 +44,14 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0  # 0: no extra per-request cap beyond the budget
     attention_backend: str = "auto"
     linear_backend: str = "auto"
+    quantization: str = "none"  # quantize a float checkpoint at load (pre-quantized ones say so themselves)
+    quant_group_size: int = 32  # W4 group size along the input dimension (W8 is per channel)
     seed: int = 0
     num_threads: int | None = None
+    # Process-level: applied when a command starts the engine in its own process (serve, bench);
+    # an in-process LLM() cannot preload an allocator into itself.
+    allocator: str = "mimalloc"
+    omp_threads_bind: str = "auto"
     device: str = "cpu"
     extra: dict = field(default_factory=dict)
 
@@ -59,6 +68,13 @@ class EngineConfig:
                 f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}; got {self.linear_backend!r}",
                 "linear_backend",
             )
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidRequestError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}", "quantization")
+        _positive("quant_group_size", self.quant_group_size)
+        if self.allocator not in ALLOCATORS:
+            raise InvalidRequestError(
+                f"allocator must be one of {', '.join(ALLOCATORS)}; got {self.allocator!r}", "allocator")
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)

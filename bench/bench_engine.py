@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import time
 
 import torch
 
 from appliance import LLM, SamplingParams
+from appliance.bench.common import random_token_prompts
+from appliance.bench.kernels import peak_gemm_gflops
 
 
 def machine() -> dict:
@@ -32,14 +33,7 @@ def machine() -> dict:
 
 def gemm_rate(n: int = 2048, reps: int = 5) -> float:
     """Peak fp32 GEMM FLOP/s on this machine with torch's threads (best of reps)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best
+    return peak_gemm_gflops(torch.float32, n, reps) * 1e9
 
 
 def workload_flops(cfg, n_req: int, p_len: int, o_len: int) -> float:
@@ -56,8 +50,7 @@ def workload_flops(cfg, n_req: int, p_len: int, o_len: int) -> float:
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
+    return random_token_prompts(n, length, vocab, seed)
 
 
 def run_appliance(llm: LLM, prompts, out_len: int) -> dict:

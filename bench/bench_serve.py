@@ -26,8 +26,6 @@ import os
 import platform
 import random
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,22 +34,12 @@ from pathlib import Path
 
 import httpx
 
+from appliance.bench.loadgen import LoadConfig, run_level_async
+from appliance.bench.servers import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 ENGINE_FLAGS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory",
                 "num_threads", "block_size", "max_model_len")
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def summary(xs: list[float]) -> dict:
-    return {"mean": statistics.fmean(xs) if xs else float("nan"), "p50": pct(xs, 50), "p99": pct(xs, 99)}
 
 
 def make_prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -60,51 +48,16 @@ def make_prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int
     return [[rng.randrange(lo, vocab) for _ in range(input_len)] for _ in range(n)]
 
 
-# -- HTTP ---------------------------------------------------------------------------------------
-async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    times: list[float] = []
-    usage = None
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk["choices"]:
-                times.append(time.perf_counter())
-    end = time.perf_counter()
-    n_out = usage["completion_tokens"] if usage else len(times)
-    ttft = times[0] - t0 if times else float("nan")
-    return {"ttft": ttft, "itl": [b - a for a, b in zip(times, times[1:])], "e2e": end - t0, "output_tokens": n_out,
-            "tpot": (end - t0 - ttft) / (n_out - 1) if n_out > 1 else float("nan")}
-
-
+# -- HTTP (the load generator of `appliance bench serve`) -----------------------------------------
 async def run_level(url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
                     api_key: str | None) -> dict:
-    sem = asyncio.Semaphore(concurrency)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=None, headers=headers, limits=limits) as client:
-        async def guarded(p):
-            async with sem:
-                return await one_request(client, model, p, output_len)
-
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(guarded(p) for p in prompts))
-        wall = time.perf_counter() - t0
-    out_tokens = sum(r["output_tokens"] for r in results)
-    return {"concurrency": concurrency, "num_requests": len(results), "wall_s": wall,
-            "output_tokens": out_tokens, "output_tok_s": out_tokens / wall,
-            "ttft_s": summary([r["ttft"] for r in results]), "tpot_s": summary([r["tpot"] for r in results]),
-            "itl_s": summary([x for r in results for x in r["itl"]])}
+    cfg = LoadConfig(url, model, output_len=output_len, api_key=api_key)
+    lv = await run_level_async(cfg, prompts, concurrency=concurrency)
+    if lv["failed"]:
+        raise RuntimeError(f"{lv['failed']} of {lv['num_requests']} requests failed: {lv['errors']}")
+    return {"concurrency": concurrency, "num_requests": lv["num_requests"], "wall_s": lv["duration_s"],
+            "output_tokens": lv["output_tokens"], "output_tok_s": lv["output_throughput"],
+            "ttft_s": lv["ttft_s"], "tpot_s": lv["tpot_s"], "itl_s": lv["itl_s"]}
 
 
 # -- offline ------------------------------------------------------------------------------------
@@ -142,12 +95,6 @@ def run_offline(model_path: str, engine_kwargs: dict, prompts: list[list[int]], 
 
 
 # -- server process -----------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(model: str | None, engine_kwargs: dict, log_path: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "appliance.cli", "serve", *([model] if model else []), "--port", str(port),

@@ -16,7 +16,7 @@ VPY=.venv/bin/python
 # torch first and pinned: an unpinned resolver may pick a multi-GB CUDA build.
 $VPY -m pip install -q --disable-pip-version-check "torch==2.13.0"
 if [ $want_test = 1 ]; then
-  $VPY -m pip install -q --disable-pip-version-check -e ".[test]"
+  $VPY -m pip install -q --disable-pip-version-check -e ".[test,bench]"
 else
   $VPY -m pip install -q --disable-pip-version-check -e .
 fi
