@@ -2,7 +2,6 @@
 plus a tokenizer, so every test runs with no hub access."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch

@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from arm_tools import ensure_arm_tools
 
 REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "native" / "neon_sve"
 SHARED_ARM64 = REPO.parent / "shared" / "arm64"
-TOOLS = ("aarch64-linux-gnu-g++", "aarch64-linux-gnu-objdump", "qemu-aarch64-static")
 CXXFLAGS = ["-std=c++17", "-O3",  # as the torch extension is built
             "-fopenmp", "-Wall", "-Wno-maybe-uninitialized",
             f"-I{SRC / 'include'}", f"-I{SRC / 'src' / 'x86'}", f"-I{SRC / 'src' / 'neon'}"]
@@ -35,25 +34,9 @@ PROFILES = {
 QEMU_CPU = {"v2": "max,sve128=on", "v1": "max,sve256=on", "n1": "neoverse-n1", "max": "max"}
 
 
-def _missing() -> list[str]:
-    return [t for t in TOOLS if shutil.which(t) is None]
-
-
 @pytest.fixture(scope="session")
 def toolchain() -> None:
-    if not _missing():
-        return
-    setup = SHARED_ARM64 / "setup.sh"
-    if setup.exists():
-        r = subprocess.run(["bash", str(setup)], capture_output=True, text=True)
-    else:
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        r = subprocess.run("apt-get update -qq && apt-get install -y -qq g++-aarch64-linux-gnu "
-                           "binutils-aarch64-linux-gnu qemu-user-static", shell=True, env=env,
-                           capture_output=True, text=True)
-    missing = _missing()
-    if missing:
-        pytest.fail(f"could not install the Arm cross tools {missing}: {r.stdout[-2000:]}{r.stderr[-2000:]}")
+    ensure_arm_tools()
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,6 @@ logits. Tiny synthetic GGUFs cover the architectures and layouts the default mod
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 

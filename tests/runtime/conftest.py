@@ -14,10 +14,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from arm_tools import ensure_arm_tools
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED_ARM64 = REPO.parent / "shared" / "arm64"
-TOOLS = ("aarch64-linux-gnu-gcc", "aarch64-linux-gnu-objdump", "qemu-aarch64-static")
 
 
 def artifact_dir() -> Path:
@@ -27,24 +27,9 @@ def artifact_dir() -> Path:
     return d
 
 
-def _missing() -> list[str]:
-    return [t for t in TOOLS if shutil.which(t) is None]
-
-
 @pytest.fixture(scope="session")
 def arm_tools() -> None:
-    if not _missing():
-        return
-    setup = SHARED_ARM64 / "setup.sh"
-    if setup.exists():
-        r = subprocess.run(["bash", str(setup)], capture_output=True, text=True)
-    else:
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        r = subprocess.run("apt-get update -qq && apt-get install -y -qq g++-aarch64-linux-gnu "
-                           "binutils-aarch64-linux-gnu qemu-user-static", shell=True, env=env,
-                           capture_output=True, text=True)
-    if _missing():
-        pytest.fail(f"could not install the Arm cross tools {_missing()}: {r.stdout[-2000:]}{r.stderr[-2000:]}")
+    ensure_arm_tools()
 
 
 def torch_wheel_libgomp(version: str) -> Path:
