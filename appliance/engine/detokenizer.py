@@ -26,7 +26,10 @@ class IncrementalDetokenizer:
                                      clean_up_tokenization_spaces=False)
 
     def add_tokens(self, token_ids: list[int]) -> None:
-        """Decode new tokens; text that would end in an incomplete UTF-8 sequence is held back."""
+        """Decode new tokens; text that would end in an incomplete UTF-8 sequence is held back.
+        After a stop string matched, the text is final and further tokens are ignored."""
+        if self.stopped_by is not None:
+            return
         self.ids.extend(token_ids)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
