@@ -13,8 +13,11 @@ serve: setup
 generate: setup
 	.venv/bin/appliance generate $(ARGS)
 
+# The emulated-Arm quantization test needs a Debian arm64 root with torch's aarch64 wheel
+# (../shared/arm64/rootfs.sh); it is built on first use (~10 min) and reused from the cache after.
+ARM64_ROOTFS ?= $(HOME)/.cache/appliance/arm64-rootfs
 test: setup-test
-	.venv/bin/python -m pytest -q tests
+	APPLIANCE_ARM64_ROOTFS=$(ARM64_ROOTFS) APPLIANCE_ARM64_BUILD_ROOTFS=1 .venv/bin/python -m pytest -q tests
 
 bench: setup
 	.venv/bin/python bench/bench_engine.py --json bench/results/engine_offline.json

@@ -47,7 +47,10 @@ def serve(
     prefix_caching: Annotated[Optional[bool], Opt(
         "--prefix-caching/--no-prefix-caching", help="Reuse KV blocks of shared prompt prefixes.")] = None,
     attention_backend: Annotated[Optional[str], Opt(help="auto | native | reference.")] = None,
-    linear_backend: Annotated[Optional[str], Opt(help="auto (measured per shape) | torch | onednn.")] = None,
+    linear_backend: Annotated[Optional[str], Opt(
+        help="auto (measured per shape) | torch | onednn | w8a8_onednn | w8a16_int8pack | w4a8_dynquant | w4a16_int4pack.")] = None,
+    quantization: Annotated[Optional[str], Opt(help="Quantize a float checkpoint at load: none | w8a8 | w4a8.")] = None,
+    quant_group_size: Annotated[Optional[int], Opt(help="W4 group size along the input dimension.")] = None,
     long_prefill_token_threshold: Annotated[Optional[int], Opt(
         help="Cap on one request's prefill tokens per step (0: none).")] = None,
     num_threads: Annotated[Optional[int], Opt(help="Threads of the engine process (default: torch's).")] = None,
@@ -74,7 +77,8 @@ def serve(
         max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
         num_kv_blocks=num_kv_blocks, block_size=block_size, dtype=dtype, enable_prefix_caching=prefix_caching,
         attention_backend=attention_backend, long_prefill_token_threshold=long_prefill_token_threshold,
-        linear_backend=linear_backend, num_threads=num_threads, seed=seed, allocator=allocator,
+        linear_backend=linear_backend, quantization=quantization, quant_group_size=quant_group_size,
+        num_threads=num_threads, seed=seed, allocator=allocator,
         omp_threads_bind=omp_threads_bind,
     )
     try:
@@ -117,7 +121,9 @@ def generate(
     kv_cache_memory: Annotated[Optional[float], typer.Option(help="KV cache size in GiB.")] = None,
     block_size: Annotated[Optional[int], typer.Option(help="Tokens per KV block.")] = None,
     attention_backend: Annotated[Optional[str], typer.Option(help="auto | native | reference.")] = None,
-    linear_backend: Annotated[Optional[str], typer.Option(help="auto (measured per shape) | torch | onednn.")] = None,
+    linear_backend: Annotated[Optional[str], typer.Option(help="auto (measured per shape) | torch | onednn | w8a8_onednn | ...")] = None,
+    quantization: Annotated[Optional[str], typer.Option(help="Quantize at load: none | w8a8 | w4a8.")] = None,
+    quant_group_size: Annotated[Optional[int], typer.Option(help="W4 group size.")] = None,
     num_threads: Annotated[Optional[int], typer.Option(help="Threads for the model.")] = None,
 ):
     """Generate from one prompt with the offline engine, streaming to the terminal."""
@@ -128,7 +134,7 @@ def generate(
 
     engine_kwargs = dict(model=model, dtype=dtype, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                          block_size=block_size, attention_backend=attention_backend, linear_backend=linear_backend,
-                         num_threads=num_threads)
+                         quantization=quantization, quant_group_size=quant_group_size, num_threads=num_threads)
     try:
         config = EngineConfig.from_kwargs(**{k: v for k, v in engine_kwargs.items() if v is not None or k == "model"})
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
@@ -138,6 +144,24 @@ def generate(
         run_generate(config, prompt, params, chat=chat, system=system)
     except ApplianceError as e:
         _fail(str(e), 2)
+
+
+@app.command()
+def convert(
+    src: Annotated[str, typer.Argument(help="Float Hugging Face model directory.")],
+    dst: Annotated[str, typer.Argument(help="Output directory (compressed-tensors layout).")],
+    quantization: Annotated[str, Opt(help="w8a8 | w4a8.")] = "w8a8",
+    quant_group_size: Annotated[int, Opt(help="W4 group size along the input dimension.")] = 32,
+):
+    """Write a quantized checkpoint (compressed-tensors layout) that `serve`/`generate` load back."""
+    from appliance.convert import run_convert
+    from appliance.errors import ApplianceError
+
+    try:
+        out = run_convert(src, dst, quantization, quant_group_size)
+    except (ApplianceError, ValueError) as e:
+        _fail(str(e), 2)
+    typer.echo(f"wrote {out}")
 
 
 @app.command()

@@ -53,42 +53,50 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return random_token_prompts(n, length, vocab, seed)
 
 
+PARTS = ("schedule_s", "prepare_s", "forward_s", "sample_s", "output_s")
+
+
 def run_appliance(llm: LLM, prompts, out_len: int) -> dict:
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[:2], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
     eng.kv.pool.reset_prefix_cache()
-    for k in ("steps", "forward_s", "step_s", "prompt_tokens", "generation_tokens"):
-        eng.stats[k] = 0 if k in ("steps", "prompt_tokens", "generation_tokens") else 0.0
+    for k in eng.stats:
+        eng.stats[k] = 0.0 if k.endswith("_s") else 0
     t = time.perf_counter()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
     wall = time.perf_counter() - t
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     s = eng.stats
     return {"wall_s": wall, "output_tokens": n_out, "output_tok_s": n_out / wall, "steps": s["steps"],
-            "forward_s": s["forward_s"], "step_s": s["step_s"],
+            "step_s": s["step_s"], **{k: s[k] for k in PARTS},
             "non_forward_fraction": 1 - s["forward_s"] / s["step_s"],
             "outside_step_s": wall - s["step_s"]}
 
 
 def run_decode_split(llm: LLM, prompts, out_len: int, batch: int) -> dict:
-    """Per-step split at a steady decode batch of ``batch`` requests (prefill steps excluded)."""
+    """Per-step split at a steady decode batch of ``batch`` requests (prefill steps excluded):
+    model forward vs scheduling, input preparation, sampling and output processing (detokenization,
+    stop checks)."""
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     for i, p in enumerate(prompts[:batch]):
         eng.add_request(f"split-{i}", p, sp)
-    fwd = tot = 0.0
+    acc = dict.fromkeys(PARTS + ("step_s",), 0.0)
     n = 0
     while eng.has_unfinished_requests():
-        before_f, before_s = eng.stats["forward_s"], eng.stats["step_s"]
+        before = {k: eng.stats[k] for k in acc}
         is_decode = eng.scheduler.num_running == batch and not eng.scheduler.waiting
         eng.step()
         if is_decode:
-            fwd += eng.stats["forward_s"] - before_f
-            tot += eng.stats["step_s"] - before_s
+            for k in acc:
+                acc[k] += eng.stats[k] - before[k]
             n += 1
+    tot = acc["step_s"]
     return {"batch": batch, "decode_steps": n, "step_ms": 1e3 * tot / max(n, 1),
-            "forward_ms": 1e3 * fwd / max(n, 1), "non_forward_fraction": 1 - fwd / tot if tot else None}
+            **{k.replace("_s", "_ms"): 1e3 * acc[k] / max(n, 1) for k in PARTS},
+            "forward_ms": 1e3 * acc["forward_s"] / max(n, 1),
+            "non_forward_fraction": 1 - acc["forward_s"] / tot if tot else None}
 
 
 def run_transformers(path, prompts, out_len: int, batch: int, dtype) -> dict:
@@ -159,10 +167,15 @@ def main():
     t.add_row("compute roofline", f"{roofline_s:.1f}", f"{app['output_tokens'] / roofline_s:.1f}", "",
               f"{peak / 1e9:.0f} GFLOP/s")
     Console().print(t)
-    Console().print(
-        f"decode at batch {split['batch']}: step {split['step_ms']:.1f} ms, forward {split['forward_ms']:.1f} ms, "
-        f"outside forward {split['non_forward_fraction']:.1%} | whole run outside forward "
-        f"{app['non_forward_fraction']:.1%} | kernels: {result['kernels']} | {result['machine']}")
+    st = Table(title=f"step time at a steady decode batch of {split['batch']} (ms per step)")
+    for c in ("step", "forward", "schedule", "input prep", "sampling", "output/detok", "outside forward"):
+        st.add_column(c, justify="right")
+    st.add_row(f"{split['step_ms']:.2f}", f"{split['forward_ms']:.2f}", f"{split['schedule_ms']:.2f}",
+               f"{split['prepare_ms']:.2f}", f"{split['sample_ms']:.2f}", f"{split['output_ms']:.2f}",
+               f"{split['non_forward_fraction']:.1%}")
+    Console().print(st)
+    Console().print(f"whole run outside forward {app['non_forward_fraction']:.1%} | kernels: {result['kernels']}"
+                    f" | linear: {sorted(set(eng.runner.linear_backends.values()))} | {result['machine']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -103,8 +103,10 @@ class LLMEngine:
         self.eos_token_ids = self.info.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.parents: dict[str, _Parent] = {}
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
-                      "forward_s": 0.0, "step_s": 0.0}
+        # Seconds per part of ``step`` (forward_s: the model and logits; prepare_s: turning the
+        # schedule into tensors; output_s: appending tokens, detokenizing, stop checks, outputs).
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "schedule_s": 0.0,
+                      "prepare_s": 0.0, "forward_s": 0.0, "sample_s": 0.0, "output_s": 0.0, "step_s": 0.0}
         self._next_id = 0
 
     # -- requests -------------------------------------------------------------------------------
@@ -198,8 +200,10 @@ class LLMEngine:
                                                - r.num_computed_tokens) for r, n in sched.scheduled)
         sampled = self.scheduler.update_computed(sched)
         touched: dict[str, _Parent] = {}
+        t3 = time.perf_counter()
         if sampled:
             results = self.sampler(logits, sampled)
+            t3 = time.perf_counter()
             now = time.monotonic()
             for req, res in zip(sampled, results):
                 self._append(req, res, now)
@@ -210,8 +214,15 @@ class LLMEngine:
                 del self.parents[o.request_id]
         self.stats["steps"] += 1
         self.stats["generation_tokens"] += len(sampled)
-        self.stats["forward_s"] += t2 - t1
-        self.stats["step_s"] += time.perf_counter() - t0
+        st = self.stats
+        prep = self.runner.last_prepare_s
+        st["schedule_s"] += t1 - t0
+        st["prepare_s"] += prep
+        st["forward_s"] += t2 - t1 - prep
+        st["sample_s"] += t3 - t2
+        t4 = time.perf_counter()
+        st["output_s"] += t4 - t3
+        st["step_s"] += t4 - t0
         return outputs
 
     def _record_prompt_logprobs(self, req: Request, n: int, lp: torch.Tensor) -> None:

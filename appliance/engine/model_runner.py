@@ -3,6 +3,7 @@ preallocated KV cache. Device-agnostic: everything is created on ``self.device``
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import psutil
@@ -12,7 +13,8 @@ from appliance.config import EngineConfig
 from appliance.engine.scheduler import SchedulerOutput
 from appliance.layers.linear import select_backends
 from appliance.layers.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from appliance.models.loader import ModelInfo, load_model
+from appliance.models.loader import ModelInfo
+from appliance.models.quant_loader import load as load_model
 from appliance.ops import get_ops
 
 log = logging.getLogger("appliance")
@@ -29,7 +31,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
-        self.model = load_model(info, dtype, device)
+        self.model = load_model(info, dtype, device, config.quantization, config.quant_group_size)
         self.ops = get_ops(config.attention_backend)
         self.model.prepare(self.ops, max_model_len, device)
         self.linear_backends = select_backends(self.model, config.linear_backend, dtype, device)
@@ -41,6 +43,7 @@ class ModelRunner:
         shape = self.ops.kv_cache_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.head_size)
         # Zeroed once: positions past a sequence's length are masked, but must never hold NaN.
         self.kv_cache = torch.zeros((self.num_layers, 2, *shape), dtype=dtype, device=device)
+        self.last_prepare_s = 0.0
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
 
     @property
@@ -110,7 +113,9 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, prompt_logprob_rows: dict[int, tuple[int, int]] | None = None):
         """Run one step. Returns (logits [num_sampling_requests, vocab] float32, and for each batch
         index in ``prompt_logprob_rows`` the float32 log-softmax of every position of its chunk)."""
+        t0 = time.perf_counter()
         ids, pos, md, logits_idx = self._inputs(sched)
+        self.last_prepare_s = time.perf_counter() - t0  # input preparation, reported apart from the forward
         with set_forward_context(ForwardContext(md, self.kv_caches, self.ops)):
             hidden = self.model(ids, pos)
         logits = self.model.compute_logits(hidden[logits_idx]) if logits_idx else None

@@ -9,9 +9,12 @@ time. After loading, each layer gets one backend, chosen once per weight shape (
   reaches the hardware's GEMM better than the plain path (small decode batches on wide-vector CPUs,
   Neoverse with ACL) it is the faster one.
 
-``auto`` times the candidates on the real shapes at decode and prefill batch sizes and keeps the
-fastest, remembering the choice per host, torch build, dtype and shape in the user cache.
-Quantized backends (W8A8, W4A8) plug in here as further candidates.
+Quantized layers (``appliance.layers.quant.QuantLinear``: W8A8, W4A8, swapped in at load) bring
+their own candidates (``w8a8_onednn``, ``w8a16_int8pack``, ``w4a8_dynquant``, ``w4a16_int4pack``).
+
+``auto`` times the valid candidates of each layer on the real shapes at decode and prefill batch
+sizes and keeps the fastest, remembering the choice per host, torch build, dtype and shape (and
+quantization scheme) in the user cache. Every layer kind implements ``LinearBase``.
 """
 from __future__ import annotations
 
@@ -26,11 +29,35 @@ from torch import nn
 log = logging.getLogger("appliance")
 
 from appliance.config import LINEAR_BACKENDS
+
 # Batch sizes (rows of x) a choice is timed at: single-sequence decode, batched decode, prefill.
 _PROBE_ROWS = (1, 32, 256)
 
 
-class Linear(nn.Module):
+class LinearBase(nn.Module):
+    """What select_backends needs from a linear layer (float ``Linear``, ``quant.QuantLinear``)."""
+
+    backend: str
+
+    @property
+    def shape_key(self) -> str:  # what a backend choice is cached under, e.g. "1728x576"
+        raise NotImplementedError
+
+    def candidates(self, dtype: torch.dtype, device: torch.device) -> list[str]:
+        raise NotImplementedError
+
+    def measure(self, candidates: list[str], rows, timer) -> dict[str, float]:
+        """Seconds per candidate, summed over ``rows`` (batch sizes), on random weights of this shape."""
+        raise NotImplementedError
+
+    def set_backend(self, name: str) -> None:
+        raise NotImplementedError
+
+    def weight_bytes(self) -> int:
+        raise NotImplementedError
+
+
+class Linear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  shards: dict[str, tuple[int, int]] | None = None):
         super().__init__()
@@ -48,6 +75,16 @@ class Linear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    @property
+    def shape_key(self) -> str:
+        return f"{self.out_features}x{self.in_features}"  # float choices keep their pre-quantization keys
+
+    def candidates(self, dtype: torch.dtype, device: torch.device) -> list[str]:
+        return list(FLOAT_BACKENDS) if onednn_available(dtype, device) else ["torch"]
+
+    def measure(self, candidates: list[str], rows, timer) -> dict[str, float]:
+        return measure(self.weight, candidates, rows, timer)
+
     def set_backend(self, name: str) -> None:
         if name == "onednn":
             self._packed = _pack_onednn(self.weight.data)
@@ -57,8 +94,15 @@ class Linear(nn.Module):
             raise ValueError(f"linear backend must be one of {', '.join(LINEAR_BACKENDS)}; got {name!r}")
         self.backend = name
 
+    def weight_bytes(self) -> int:
+        t = [self._packed if self._packed is not None else self.weight] + ([self.bias] if self.bias is not None else [])
+        return sum(x.numel() * x.element_size() for x in t)
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, backend={self.backend}"
+
+
+FLOAT_BACKENDS = ("torch", "onednn")
 
 
 def _pack_onednn(w: torch.Tensor) -> torch.Tensor:
@@ -83,8 +127,9 @@ def _time(fn, reps: int = 5) -> float:
     return best
 
 
-def measure(weight: torch.Tensor, candidates: list[str]) -> dict[str, float]:
+def measure(weight: torch.Tensor, candidates: list[str], rows=_PROBE_ROWS, timer=None) -> dict[str, float]:
     """Summed best-of-5 seconds of each candidate over the probe batch sizes, on this weight's shape."""
+    timer = timer or _time
     n, k = weight.shape
     w = torch.randn(n, k, dtype=weight.dtype, device=weight.device) * 0.02
     out = {}
@@ -92,10 +137,10 @@ def measure(weight: torch.Tensor, candidates: list[str]) -> dict[str, float]:
         for name in candidates:
             if name == "onednn":
                 packed = _pack_onednn(w)
-                f = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
+                f = lambda x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
             else:
-                f = lambda x: F.linear(x, w)  # noqa: E731
-            out[name] = sum(_time(lambda: f(torch.randn(m, k, dtype=w.dtype, device=w.device))) for m in _PROBE_ROWS)
+                f = lambda x: F.linear(x, w)
+            out[name] = sum(timer(lambda f=f, m=m: f(torch.randn(m, k, dtype=w.dtype, device=w.device))) for m in rows)
     return out
 
 
@@ -106,45 +151,74 @@ def _choice_cache_path():
 
 
 def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device: torch.device) -> dict[str, str]:
-    """Give every Linear of ``model`` a backend; returns ``{"KxN": backend}`` for the banner/doctor."""
+    """Give every linear layer of ``model`` a backend; returns ``{shape key: backend}`` for the banner/doctor.
+
+    ``requested`` is ``auto`` (measure the valid candidates per shape, cached per host) or one backend
+    name, which every layer that can run it gets; other layers (the float ``lm_head`` of a quantized
+    model; quantized layers when a float backend is forced) are chosen as under ``auto``. A name no
+    layer can run is an error."""
     if requested not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}; got {requested!r}")
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    candidates = ["torch"] + (["onednn"] if onednn_available(dtype, device) else [])
-    if requested == "onednn" and "onednn" not in candidates:
-        raise ValueError(f"linear_backend=onednn is not available for dtype {dtype} on this CPU")
-    choices: dict[tuple[int, int], str] = {}
-    if requested != "auto":
-        choices = {tuple(m.weight.shape): requested for m in layers}
-    elif len(candidates) == 1:
-        choices = {tuple(m.weight.shape): "torch" for m in layers}
-    else:
-        from appliance.runtime.cpu_features import detect
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    if requested != "auto" and layers and not any(requested in m.candidates(dtype, device) for m in layers):
+        kinds = sorted({getattr(m, "scheme", "float") for m in layers})
+        raise ValueError(f"linear_backend={requested} is not available for this model ({', '.join(kinds)} "
+                         f"layers, dtype {dtype}) on this CPU")
+    choices: dict[str, str] = {}
+    cache, dirty, host = None, False, None
+    for m in layers:
+        key = m.shape_key
+        if key in choices:
+            continue
+        cands = m.candidates(dtype, device)
+        if not cands:
+            raise ValueError(f"no linear backend can run layer {key} with dtype {dtype} on {device}")
+        if requested in cands:
+            choices[key] = requested
+            continue
+        if len(cands) == 1:
+            choices[key] = cands[0]
+            continue
+        if cache is None:
+            from appliance.runtime.cpu_features import detect
 
+            try:
+                cache = json.loads(_choice_cache_path().read_text())
+            except (OSError, json.JSONDecodeError):
+                cache = {}
+            host = f"{detect().model_name}|{torch.__version__}|{torch.get_num_threads()}t|{dtype!s}"
+        ckey = f"{host}|{key}"
+        if ckey not in cache or cache[ckey] not in cands:
+            times = m.measure(cands, _PROBE_ROWS, _time)
+            cache[ckey] = min(times, key=times.get)
+            log.info("linear %s: %s -> %s", key, {k: f"{v * 1e3:.2f}ms" for k, v in times.items()}, cache[ckey])
+            dirty = True
+        choices[key] = cache[ckey]
+    if dirty:
         path = _choice_cache_path()
         try:
-            cache = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            cache = {}
-        host = f"{detect().model_name}|{torch.__version__}|{torch.get_num_threads()}t|{str(dtype)}"
-        dirty = False
-        for m in layers:
-            shape = tuple(m.weight.shape)
-            key = f"{host}|{shape[0]}x{shape[1]}"
-            if shape in choices:
-                continue
-            if key not in cache:
-                times = measure(m.weight, candidates)
-                cache[key] = min(times, key=times.get)
-                log.info("linear %s: %s -> %s", shape, {k: f"{v * 1e3:.2f}ms" for k, v in times.items()}, cache[key])
-                dirty = True
-            choices[shape] = cache[key]
-        if dirty:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(cache, indent=1))
-            except OSError as e:
-                log.warning("could not save linear backend choices to %s: %s", path, e)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(cache, indent=1))
+        except OSError as e:
+            log.warning("could not save linear backend choices to %s: %s", path, e)
     for m in layers:
-        m.set_backend(choices[tuple(m.weight.shape)])
-    return {f"{k}x{n}": v for (n, k), v in choices.items()}
+        m.set_backend(choices[m.shape_key])
+    # {"KxN": backend} for float layers, {"w8a8 KxN": backend} for quantized ones
+    return {f"{getattr(m, 'scheme', '') + ' ' if hasattr(m, 'scheme') else ''}{m.in_features}x{m.out_features}":
+            choices[m.shape_key] for m in layers}
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the forward pass reads for weights: every linear layer as packed, plus other parameters
+    (embeddings, norms). A tied lm_head shares the embedding and is counted once."""
+    seen: set[int] = set()
+    total = 0
+    for m in model.modules():
+        if isinstance(m, LinearBase) and not getattr(m, "keep_weight", False):
+            total += int(m.weight_bytes())
+            seen.update(id(p) for p in m.parameters(recurse=False))
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total

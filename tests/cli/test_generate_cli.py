@@ -36,3 +36,19 @@ def test_generate_bad_flags(llama_dir, tmp_path):
     assert r.returncode == 2 and "top_p" in r.stderr and "1.5" in r.stderr
     r = run("--model", str(tmp_path / "missing"), "--prompt", "x")
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_convert_cli_round_trip(llama_dir, tmp_path):
+    """`appliance convert` writes a checkpoint that loads to the same model as quantizing at load."""
+    out = tmp_path / "w8a8"
+    r = subprocess.run([sys.executable, "-m", "appliance.cli", "convert", str(llama_dir), str(out),
+                        "--quantization", "w8a8"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(dtype="float32", num_kv_blocks=64, linear_backend="w8a8_onednn")
+    a = LLM(str(out), **kw).generate(["The quick brown fox"], sp)[0].outputs[0].token_ids
+    b = LLM(str(llama_dir), quantization="w8a8", **kw).generate(["The quick brown fox"], sp)[0].outputs[0].token_ids
+    assert a == b
+    r = subprocess.run([sys.executable, "-m", "appliance.cli", "convert", str(llama_dir), str(tmp_path / "x"),
+                        "--quantization", "int3"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "int3" in r.stderr

@@ -1,0 +1,138 @@
+"""Every quantized linear backend against an fp64 reference of the same quantized math, per shape;
+the quantizers and the compressed-tensors int4 packing against their definitions."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from appliance.layers import quant
+from appliance.layers.linear import Linear, select_backends
+
+# (out, in): SmolLM2-135M's q/k/v (fused), o, gate/up (fused) and down; odd sizes; Qwen2.5-0.5B's down
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (200, 256), (896, 4864)]
+CASES = [("w8a8", None, b) for b in quant.BACKENDS["w8a8"]] + \
+        [("w4a8", g, b) for g in (None, 32, 64, 128) for b in quant.BACKENDS["w4a8"]]
+
+
+def _weights(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    w[:, :3] *= 8  # a few outlier columns, as real checkpoints have
+    return w
+
+
+@pytest.mark.parametrize("scheme,group,backend", CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("n,k", SHAPES, ids=lambda v: str(v))
+def test_backend_matches_fp64_reference(scheme, group, backend, n, k):
+    g = k if group is None else group
+    if k % g or not quant.backend_valid(backend, scheme, n, k, g):
+        pytest.skip(f"{backend} does not take group {g} with in={k}")
+    w = _weights(n, k)
+    qw, s, *zp = quant.quantize_int8(w) if scheme == "w8a8" else quant.quantize_int4(w, g)
+    zp = zp[0] if zp else None
+    bias = torch.randn(n) * 0.1
+    p = quant.pack(backend, qw, s, zp)
+    for m in (1, 7, 33):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        got = quant.run(backend, p, x, n, k) + bias
+        want = quant.reference(backend, x, qw, s, bias, zp)
+        # fp32 accumulation over k terms: the error grows ~sqrt(k) * eps * |terms|
+        tol = 2e-5 * want.abs().max().item() * (k / 576) ** 0.5 + 1e-6
+        if backend in ("w4a16_int4pack", "w8a16_int8pack"):  # bf16 output (their fast route): 2^-9 relative
+            diff = (got.double() - bias.double() - (want - bias.double())).abs()
+            bound = (want - bias.double()).abs() * 2 ** -8 + tol
+            assert (diff <= bound).all(), f"{backend} m={m}: max excess {(diff - bound).max():.3g}"
+            continue
+        err = (got.double() - want).abs().max().item()
+        assert err <= tol, f"{backend} m={m}: max error {err:.3g} > {tol:.3g}"
+        if backend.endswith("a8"):  # activations are quantized: a float reference differs visibly
+            assert (got.double() - (x.double() @ quant.dequantize(qw, s, zp).t() + bias)).abs().max() > tol
+
+
+@pytest.mark.parametrize("backend", ["w8a16_int8pack", "w4a16_int4pack", "w8a8_onednn", "w4a8_dynquant"])
+def test_bf16_activations(backend):
+    n, k = 256, 512
+    scheme = "w8a8" if backend.startswith("w8") else "w4a8"
+    lin = Linear(k, n)
+    lin.weight.data = _weights(n, k)
+    q = quant.QuantLinear.from_float(lin, scheme, 64)
+    canonical = (q.qweight.data, q.weight_scale.data, q._zp())
+    q.set_backend(backend)
+    x = torch.randn(3, k).bfloat16()
+    got = q(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, n)
+    want = quant.reference(backend, x, canonical[0], canonical[1], zero_point=canonical[2])
+    assert (got.double() - want).abs().max() <= 0.02 * want.abs().max()
+
+
+def test_quantizers_round_to_nearest_symmetric():
+    w = _weights(64, 256)
+    q8, s8 = quant.quantize_int8(w)
+    assert q8.dtype == torch.int8 and q8.abs().max() == 127 and s8.shape == (64, 1)
+    assert torch.equal(q8, torch.round(w / s8).to(torch.int8))
+    assert (quant.dequantize(q8, s8) - w.double()).abs().max() <= s8.max() / 2 + 1e-7
+    q4, s4, z4 = quant.quantize_int4(w, 32)
+    assert s4.shape == z4.shape == (64, 8) and torch.equal(s4, s4.bfloat16().float())  # bf16-exact group scales
+    assert q4.min() == -8 and q4.max() == 7  # each group's min and max are on the grid
+    err = (quant.dequantize(q4, s4, z4) - w.double()).abs().reshape(64, 8, 32)
+    assert (err <= s4.double()[..., None] * 0.5 + 1e-6).all()
+    with pytest.raises(ValueError, match="quant_group_size=48"):
+        quant.quantize_int4(w, 48)
+
+
+def test_int4_int32_packing_layout():
+    q = torch.tensor([[-8, -7, 0, 1, 2, 3, 6, 7] * 2], dtype=torch.int8)
+    packed = quant.pack_int4_to_int32(q)
+    # value j of each run of 8 sits at bits 4j, offset by +8
+    assert packed.shape == (1, 2)
+    want = sum((v + 8) << (4 * j) for j, v in enumerate([-8, -7, 0, 1, 2, 3, 6, 7]))
+    assert packed[0, 0].item() == torch.tensor(want & 0xFFFFFFFF, dtype=torch.int64).to(torch.int32).item() \
+        or packed[0, 0].item() == want - (1 << 32)
+    assert torch.equal(quant.unpack_int32_to_int4(packed, 16), q)
+
+
+def test_fused_quantization_equals_per_shard():
+    """q/k/v (gate/up) fused into one GEMM quantize to exactly what the shards would."""
+    w = _weights(96, 128)
+    for scheme in quant.SCHEMES:
+        fq = quant.quantize_int8 if scheme == "w8a8" else (lambda t: quant.quantize_int4(t, 32))
+        whole = fq(w)
+        parts = [fq(w[a:b]) for a, b in ((0, 64), (64, 80), (80, 96))]
+        for i, t in enumerate(whole):
+            assert torch.equal(t, torch.cat([p[i] for p in parts]))
+
+
+def test_select_backends_forces_and_rejects():
+    model = torch.nn.Sequential(Linear(128, 64), Linear(64, 128))
+    for m in model:
+        m.weight.data = _weights(m.out_features, m.in_features)
+    quant.quantize_model(model, "w8a8", None)
+    choices = select_backends(model, "w8a16_int8pack", torch.float32, torch.device("cpu"))
+    assert set(choices.values()) == {"w8a16_int8pack"}
+    with pytest.raises(ValueError, match="w4a8_dynquant"):
+        select_backends(model, "w4a8_dynquant", torch.float32, torch.device("cpu"))
+
+
+def test_auto_measures_quantized_candidates_once_and_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(tmp_path))
+    calls = []
+    real = quant.QuantLinear.measure
+
+    def counting(self, candidates, rows, timer):
+        calls.append((self.shape_key, tuple(candidates)))
+        return real(self, candidates, (1,), timer)
+
+    monkeypatch.setattr(quant.QuantLinear, "measure", counting)
+
+    def build():
+        model = torch.nn.Sequential(Linear(64, 128), Linear(64, 128), Linear(128, 64))
+        for m in model:
+            m.weight.data = _weights(m.out_features, m.in_features)
+        return quant.quantize_model(model, "w4a8", 32)
+
+    choices = select_backends(build(), "auto", torch.float32, torch.device("cpu"))
+    assert sorted(calls) == [("w4a8g32|128x64", ("w4a8_dynquant", "w4a16_int4pack")),
+                             ("w4a8g32|64x128", ("w4a8_dynquant", "w4a16_int4pack"))]  # once per shape
+    assert set(choices) == {"w4a8 64x128", "w4a8 128x64"} and set(choices.values()) <= set(quant.BACKENDS["w4a8"])
+    assert select_backends(build(), "auto", torch.float32, torch.device("cpu")) == choices
+    assert len(calls) == 2  # the second model reads the cache
