@@ -32,6 +32,34 @@ PlotOpt = Annotated[Optional[Path], Opt("--plot", help="Write latency and throug
 SeedOpt = Annotated[int, Opt(help="Seed of the random prompts.")]
 
 
+@bench_app.callback()
+def _bench_process(
+    allocator: Annotated[str, Opt(help="malloc of the benchmark process: mimalloc (LD_PRELOAD) | glibc-tuned | system.")]
+    = "mimalloc",
+    omp_threads_bind: Annotated[str, Opt(help="auto | nobind | a CPU list like 0-31.")] = "auto",
+) -> None:
+    """Benchmarks: offline engine, HTTP load, profile, kernels, peers. The offline benchmarks run the
+    engine in this process, so it re-executes itself once under the worker environment
+    `appliance serve` gives its engine process (mimalloc preloaded, OpenMP threads pinned)."""
+    import os
+    import sys
+
+    from appliance.runtime import threads
+    from appliance.runtime.worker import worker_env
+
+    # Only when this process *is* the `appliance bench` command (not a test harness invoking the
+    # typer app in-process), and only once.
+    if os.environ.get("APPLIANCE_BENCH_WORKER") == "1" or sys.argv[1:2] != ["bench"]:
+        return
+    env = dict(os.environ)
+    env.update(worker_env(allocator, placement=threads.resolve(omp_threads_bind, None)))
+    env["APPLIANCE_BENCH_WORKER"] = "1"
+    argv = [sys.executable, "-m", "appliance.cli", *sys.argv[1:]]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, argv, env)
+
+
 def _fail(msg: str, code: int = 2):
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)

@@ -181,3 +181,19 @@ def test_schema_command_prints_the_schema():
     res = invoke("schema", "serve")
     assert res.exit_code == 0
     assert json.loads(res.output)["properties"]["bench"] == {"enum": ["serve"]}
+
+
+def test_bench_process_runs_with_mimalloc_unless_told_otherwise(llama_dir, tmp_path):
+    """`appliance bench` re-executes itself under the engine worker's environment (mimalloc
+    preloaded), as `appliance serve` starts its engine process; --allocator system opts out."""
+    import subprocess
+    import sys
+
+    for alloc, want in (("mimalloc", "mimalloc"), ("system", "glibc")):
+        out = tmp_path / f"{alloc}.json"
+        r = subprocess.run([sys.executable, "-m", "appliance.cli", "bench", "--allocator", alloc, "throughput",
+                            "--model", str(llama_dir), "--num-prompts", "2", "--input-len", "8", "--output-len", "2",
+                            "--dtype", "float32", "--json", str(out)], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        rec = json.loads(out.read_text())
+        assert rec["machine"]["allocator"].startswith(want), rec["machine"]["allocator"]
