@@ -117,14 +117,20 @@ def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> tor
                 f"from config.json")
         dst.copy_(tensor)
         loaded.setdefault(pname, set()).add(shard)
-    missing = []
-    for pname, p in params.items():
-        shards = getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "shards", None)
-        want = set(shards) if shards else {None}
-        if not want <= loaded.get(pname, set()):
-            missing.append(pname)
-    if missing:
-        raise ModelLoadError(f"{info.path}: checkpoint lacks tensors for {', '.join(missing[:5])}"
-                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    check_complete(model, params, loaded, info.path)
     model.eval()
     return model
+
+
+def check_complete(model, params, loaded: dict[str, set], path: Path, optional=lambda name: False) -> None:
+    """Every parameter (and every shard of a fused one) got a checkpoint tensor, else ModelLoadError
+    naming what is missing. ``optional(name)`` exempts parameters a format may leave out."""
+    missing = []
+    for pname in params:
+        shards = getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "shards", None)
+        want = set(shards) if shards else {None}
+        if not want <= loaded.get(pname, set()) and not optional(pname):
+            missing.append(pname)
+    if missing:
+        raise ModelLoadError(f"{path}: checkpoint lacks tensors for {', '.join(missing[:5])}"
+                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))

@@ -27,7 +27,7 @@ from appliance.layers.quant import (
     swap_to_quant,
     unpack_int32_to_int4,
 )
-from appliance.models.loader import ModelInfo, iter_weights, load_model
+from appliance.models.loader import ModelInfo, check_complete, iter_weights, load_model
 
 
 @dataclass(frozen=True)
@@ -200,15 +200,8 @@ def _load_prequantized(info: ModelInfo, spec: QuantSpec, dtype: torch.dtype, dev
             raise ModelLoadError(f"{f}: tensor {name!r} holds values outside int4")
         dst.copy_(tensor)
         loaded.setdefault(pname, set()).add(shard)
-    missing = []
-    for pname in params:
-        shards = getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "shards", None)
-        want = set(shards) if shards else {None}
-        if not want <= loaded.get(pname, set()) and not pname.endswith(".weight_zero_point"):
-            missing.append(pname)
-    if missing:
-        raise ModelLoadError(f"{info.path}: checkpoint lacks tensors for {', '.join(missing[:5])}"
-                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    # symmetric int4 checkpoints carry no zero points
+    check_complete(model, params, loaded, info.path, optional=lambda n: n.endswith(".weight_zero_point"))
     model.eval()
     return model
 
