@@ -21,12 +21,34 @@ def _weights(n, k, seed=0):
     return w
 
 
-@pytest.mark.parametrize("scheme,group,backend", CASES, ids=lambda v: str(v))
-@pytest.mark.parametrize("n,k", SHAPES, ids=lambda v: str(v))
-def test_backend_matches_fp64_reference(scheme, group, backend, n, k):
+def _valid(scheme, group, backend, n, k) -> bool:
     g = k if group is None else group
-    if k % g or not quant.backend_valid(backend, scheme, n, k, g):
-        pytest.skip(f"{backend} does not take group {g} with in={k}")
+    return k % g == 0 and quant.backend_valid(backend, scheme, n, k, g)
+
+
+# Only the combinations a backend accepts; the others are held to refusal below.
+VALID = [(c, s) for c in CASES for s in SHAPES if _valid(*c, *s)]
+INVALID = [(c, s) for c in CASES for s in SHAPES if not _valid(*c, *s)]
+
+
+@pytest.mark.parametrize("case,shape", INVALID, ids=lambda v: str(v))
+def test_backend_refuses_shapes_it_cannot_run(case, shape):
+    """A backend that cannot take a shape/group says so (and so is never a candidate for it)."""
+    scheme, group, backend = case
+    n, k = shape
+    g = k if group is None else group
+    if k % g:  # a group size that does not divide the input dimension: no backend takes it
+        with pytest.raises(Exception):
+            quant.quantize_int4(_weights(n, k), g)
+    else:  # torch's int4 weight-only kernel is the only backend with further shape limits
+        assert backend == "w4a16_int4pack" and not quant.backend_valid(backend, scheme, n, k, g)
+
+
+@pytest.mark.parametrize("case,shape", VALID, ids=lambda v: str(v))
+def test_backend_matches_fp64_reference(case, shape):
+    scheme, group, backend = case
+    n, k = shape
+    g = k if group is None else group
     w = _weights(n, k)
     qw, s, *zp = quant.quantize_int8(w) if scheme == "w8a8" else quant.quantize_int4(w, g)
     zp = zp[0] if zp else None
