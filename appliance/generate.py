@@ -19,7 +19,8 @@ def run_generate(config: EngineConfig, prompt: str, params: SamplingParams, chat
     with console.status("loading model..."):
         engine = LLMEngine(config)
     console.print(f"[dim]model {engine.model_path} | dtype {str(engine.dtype).replace('torch.', '')} | "
-                  f"kernels {engine.runner.ops.__name__.rsplit('.', 1)[-1]} | KV blocks {engine.kv.num_blocks} "
+                  f"kernels {engine.runner.ops.__name__.rsplit('.', 1)[-1]} | linear "
+                  f"{', '.join(f'{g} {b}' for g, b in engine.runner.linear_groups.items())} | KV blocks {engine.kv.num_blocks} "
                   f"x {config.block_size} | loaded in {time.perf_counter() - t0:.1f}s[/dim]")
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]

@@ -35,6 +35,12 @@ class ModelRunner:
         self.ops = get_ops(config.attention_backend)
         self.model.prepare(self.ops, max_model_len, device)
         self.linear_backends = select_backends(self.model, config.linear_backend, dtype, device)
+        # layer group (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head) -> backends it uses
+        groups: dict[str, set] = {}
+        for name, mod in self.model.named_modules():
+            if hasattr(mod, "backend") and hasattr(mod, "in_features"):
+                groups.setdefault(name.rsplit(".", 1)[-1], set()).add(mod.backend)
+        self.linear_groups = {g: ",".join(sorted(b)) for g, b in groups.items()}
         cfg = self.model.config
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads, self.head_size = cfg.num_key_value_heads, cfg.head_dim

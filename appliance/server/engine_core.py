@@ -127,6 +127,7 @@ def engine_info(engine) -> dict:
         "model_path": str(engine.model_path),
         "dtype": str(engine.dtype).replace("torch.", ""),
         "kernels": kernels,
+        "linear": getattr(runner, "linear_groups", {}),
         "num_kv_blocks": runner.num_blocks,
         "block_size": engine.config.block_size,
         "kv_cache_gib": runner.num_blocks * runner.bytes_per_block / (1 << 30),

@@ -83,6 +83,9 @@ def test_prepacked_onednn_linear_matches_transformers(tiny_model_dir, arch, tie)
     path = tiny_model_dir(arch, tie, 2)
     llm = LLM(str(path), dtype="float32", linear_backend="onednn", num_kv_blocks=128)
     assert set(llm.engine.runner.linear_backends.values()) == {"onednn"}
+    # what the banner and `appliance generate` report, per layer group
+    assert llm.engine.runner.linear_groups == dict.fromkeys(
+        ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"), "onednn")
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS]
     outs = llm.generate(prompt_token_ids=ids,
