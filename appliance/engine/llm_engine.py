@@ -1,7 +1,13 @@
 """The engine: requests in, one scheduler step at a time, outputs out.
 
 ``add_request`` validates and tokenizes; ``step`` schedules, runs the model, samples, appends tokens,
-detokenizes, checks stop conditions and returns a ``RequestOutput`` for every request that changed.
+checks the token-level stop conditions and returns a ``RequestOutput`` for every request that changed.
+
+With ``detokenize=True`` (the offline ``LLM``) each step's new tokens also go through a
+``ChoiceText`` per sequence, here, right after the step; a stop string ends its sequence before the
+next step. The server's engine core runs with ``detokenize=False``: outputs carry token ids only,
+the frontend process detokenizes and matches stop strings, and stops a sequence with
+``stop_sequences`` (the engine loop never waits on detokenization).
 """
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from appliance.config import EngineConfig
-from appliance.engine.detokenizer import IncrementalDetokenizer
+from appliance.engine.detokenizer import ChoiceText
 from appliance.engine.kv_cache_manager import KVCacheManager
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.request import FINISH_REASON, Request, RequestStatus
@@ -57,7 +63,7 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[Request]
-    detoks: list[IncrementalDetokenizer]
+    texts: list[ChoiceText] | None  # None: not detokenized here
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -71,13 +77,14 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, detokenize: bool = True):
         from transformers import AutoTokenizer
 
         from appliance.models.default_model import resolve_model
         from appliance.models.loader import model_info
 
         self.config = config
+        self.detokenize = detokenize
         self.device = torch.device(config.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -104,7 +111,8 @@ class LLMEngine:
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.parents: dict[str, _Parent] = {}
         # Seconds per part of ``step`` (forward_s: the model and logits; prepare_s: turning the
-        # schedule into tensors; output_s: appending tokens, detokenizing, stop checks, outputs).
+        # schedule into tensors; output_s: appending tokens, stop checks, detokenizing when this
+        # engine does it, outputs).
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "schedule_s": 0.0,
                       "prepare_s": 0.0, "forward_s": 0.0, "sample_s": 0.0, "output_s": 0.0, "step_s": 0.0}
         self._next_id = 0
@@ -154,15 +162,14 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt ({n_prompt}) + max_tokens ({max_tokens}) needs {need} KV blocks of "
                 f"{self.config.block_size} tokens; the whole KV cache has {self.kv.num_blocks}", "max_tokens")
-        children, detoks = [], []
+        children = []
         for i in range(params.n):
             sp = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(rid, ids, sp, () if sp.ignore_eos else self.eos_token_ids, max_tokens,
                                     parent_id=request_id, index=i))
-            detoks.append(IncrementalDetokenizer(self.tokenizer, ids, sp.skip_special_tokens, sp.stop_strings,
-                                                 sp.include_stop_str_in_output))
-        self.parents[request_id] = _Parent(request_id, text, ids, children, detoks)
+        texts = [ChoiceText(self.tokenizer, ids, c.sampling_params) for c in children] if self.detokenize else None
+        self.parents[request_id] = _Parent(request_id, text, ids, children, texts)
         for c in children:
             self.scheduler.add_request(c)
         return request_id
@@ -176,6 +183,25 @@ class LLMEngine:
                 if not c.is_finished:
                     self.scheduler.finish_request(c.request_id, RequestStatus.FINISHED_ABORTED)
                 self.sampler.forget(c.request_id)
+
+    def stop_sequences(self, request_id: str, indices: list[int], stop_reason: str | None = None) -> bool:
+        """End some sequences of a request as stopped (a stop string matched outside the engine):
+        their blocks are freed and they get no further output. When none of the request's
+        sequences is left running, the request is dropped without a final output (whoever stopped
+        them already knows) and True is returned."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return False
+        for i in indices:
+            c = parent.children[i]
+            if not c.is_finished:
+                c.stop_reason = stop_reason
+                self.scheduler.finish_request(c.request_id, RequestStatus.FINISHED_STOPPED)
+                self.sampler.forget(c.request_id)
+        if all(c.is_finished for c in parent.children):
+            del self.parents[request_id]
+            return True
+        return False
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
@@ -242,7 +268,6 @@ class LLMEngine:
         if req.logprobs is not None:
             req.logprobs.append(res.logprobs)
             req.cumulative_logprob += res.sampled_logprob
-        detok = self.parents[req.parent_id].detoks[req.index]
         sp = req.sampling_params
         status = None
         if req.num_output_tokens >= sp.min_tokens:
@@ -250,26 +275,24 @@ class LLMEngine:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
             elif tok in sp.stop_token_ids:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
-        # A stopping token's own text is not part of the output (as in vLLM), unless asked for.
-        if status is None or sp.include_stop_str_in_output:
-            detok.add_tokens([tok])
-            if status is None and detok.stopped_by is not None and req.num_output_tokens >= sp.min_tokens:
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stopped_by
         if status is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
+        texts = self.parents[req.parent_id].texts
+        if texts is not None:
+            ct = texts[req.index]
+            ct.update([tok], FINISH_REASON.get(status), req.stop_reason)
+            if ct.finished and ct.finish_reason == "stop" and status != RequestStatus.FINISHED_STOPPED:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, ct.stop_reason  # a stop string
         if status is not None:
-            detok.flush()
-            if status == RequestStatus.FINISHED_LENGTH and detok.stopped_by is not None:
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stopped_by
             self.scheduler.finish_request(req.request_id, status)
             self.sampler.forget(req.request_id)
 
     def _output(self, p: _Parent) -> RequestOutput:
         outs = []
-        for req, detok in zip(p.children, p.detoks):
-            fin = req.is_finished
+        for req in p.children:
             outs.append(CompletionOutput(
-                index=req.index, text=detok.visible_text(fin), token_ids=req.output_token_ids,
+                index=req.index, text=p.texts[req.index].text if p.texts is not None else "",
+                token_ids=req.output_token_ids,
                 cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
                 logprobs=list(req.logprobs) if req.logprobs is not None else None,
                 finish_reason=FINISH_REASON.get(req.status), stop_reason=req.stop_reason))

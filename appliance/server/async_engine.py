@@ -4,6 +4,11 @@ Two small threads move pickled messages across the process boundary so that the 
 blocks on a pipe: the writer sends what the loop queued (a full pipe waits in the thread, not in
 the loop), the reader receives the core's messages and hands each to the loop in one
 ``call_soon_threadsafe``. Each request gets an ``asyncio.Queue`` of ``RequestDelta``s.
+
+The core sends token ids only; text is made here, in the event loop, as each step's deltas arrive
+(one ``ChoiceText`` per sequence: incremental detokenization and stop strings). When a stop string
+ends a sequence, its later tokens are dropped and the core is told to stop it (``StopSequences``),
+so the engine loop never spends time on text.
 """
 from __future__ import annotations
 
@@ -16,11 +21,12 @@ import threading
 import time
 
 from appliance.config import EngineConfig
+from appliance.engine.detokenizer import ChoiceText
 from appliance.errors import ApplianceError, InvalidRequestError
 from appliance.sampling_params import SamplingParams
 from appliance.server.engine_core import (
-    AbortRequests, AddRequest, EngineDead, GetStats, Ready, RequestError, Shutdown,
-    StartupFailed, Stats, StepOutputs, engine_stats, run_engine_core,
+    AbortRequests, AddRequest, EngineDead, GetStats, Ready, RequestDelta, RequestError, Shutdown,
+    StartupFailed, Stats, StepOutputs, StopSequences, engine_stats, run_engine_core,
 )
 
 log = logging.getLogger("appliance.server")
@@ -41,17 +47,48 @@ class RequestStream:
     """One engine request as the frontend sees it. Its deltas go to ``queue`` (shared by the
     sub-requests of one HTTP request, so they can be read as one stream)."""
 
-    def __init__(self, request_id: str, num_prompt_tokens: int, num_seqs: int, q: asyncio.Queue):
+    def __init__(self, request_id: str, num_prompt_tokens: int, num_seqs: int, q: asyncio.Queue,
+                 texts: list[ChoiceText] | None = None):
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.num_seqs = num_seqs
         self.queue = q
+        self.texts = texts  # one per sequence; None: deltas pass through as the core sent them
         self.finished = False
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_output_tokens = 0
         self.finish_reasons: dict[int, str] = {}
+
+    def apply_text(self, d: RequestDelta) -> list[int]:
+        """Fill in the text of the core's delta ``d`` (in place) and apply stop strings: tokens after
+        a stop string are dropped (with their logprobs) and the choice ends with it. Choices that
+        already ended are removed. Returns the indices of the sequences a stop string ended here,
+        which the core still runs."""
+        if self.texts is None:
+            return []
+        stopped, kept = [], []
+        for c in d.choices:
+            ct = self.texts[c.index]
+            if ct.finished:
+                continue  # a stop string ended it; the core had not heard yet
+            k = ct.update(c.token_ids, c.finish_reason, c.stop_reason)
+            if k < len(c.token_ids):
+                if c.logprobs is not None:
+                    if c.cumulative_logprob is not None:
+                        c.cumulative_logprob -= sum(lp[t] for t, lp in zip(c.token_ids[k:], c.logprobs[k:]))
+                    c.logprobs = c.logprobs[:k]
+                c.token_ids = c.token_ids[:k]
+            c.text = ct.new_text()
+            if ct.finished and c.finish_reason is None:
+                stopped.append(c.index)
+            c.finish_reason, c.stop_reason = ct.finish_reason, ct.stop_reason
+            if c.token_ids or c.text or c.finish_reason is not None:
+                kept.append(c)
+        d.choices = kept
+        d.finished = all(ct.finished for ct in self.texts)
+        return stopped
 
 
 async def iterate_streams(streams: list[RequestStream]):
@@ -83,6 +120,7 @@ class AsyncEngineClient:
         self.dead: str | None = None
         self.last_stats: dict = {}
         self.on_delta = None  # optional callback(stream, delta): metrics and request logs
+        self.tokenizer = None  # the frontend's: turns the core's token ids into text
         self._tickets = itertools.count()
         self._stat_waiters: dict[int, asyncio.Future] = {}
         self._send_q: queue.SimpleQueue = queue.SimpleQueue()
@@ -198,7 +236,10 @@ class AsyncEngineClient:
             for d in msg.deltas:
                 stream = self.streams.get(d.request_id)
                 if stream is None:
-                    continue  # aborted by us; the core may have produced one more step
+                    continue  # aborted or stopped by us; the core may have produced one more step
+                stopped = stream.apply_text(d)
+                if stopped:
+                    self._send_q.put(StopSequences(d.request_id, stopped))
                 if self.on_delta is not None:
                     self.on_delta(stream, d)
                 if d.finished:
@@ -234,8 +275,11 @@ class AsyncEngineClient:
             raise EngineDeadError(f"the engine failed: {self.dead}")
         if request_id in self.streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
+        if self.tokenizer is None:
+            raise RuntimeError("AsyncEngineClient.tokenizer must be set before adding requests")
+        texts = [ChoiceText(self.tokenizer, prompt_token_ids, params) for _ in range(params.n)]
         stream = RequestStream(request_id, len(prompt_token_ids), params.n,
-                               queue if queue is not None else asyncio.Queue())
+                               queue if queue is not None else asyncio.Queue(), texts)
         self.streams[request_id] = stream
         self._send_q.put(AddRequest(request_id, list(prompt_token_ids), params))
         return stream

@@ -1,9 +1,12 @@
 """The engine core process: an ``LLMEngine`` stepping in a loop, driven by typed messages.
 
-The frontend (HTTP, tokenization, chat templates, SSE) lives in another process, so a model step
-never blocks the event loop and an HTTP request never delays a step. The two talk over a pair of
-``multiprocessing`` pipes. The core sends *deltas* (new text, new token ids, new logprobs), not the
-engine's cumulative outputs, so a step's message stays small however long the outputs grow.
+The frontend (HTTP, tokenization, chat templates, detokenization, stop strings, SSE) lives in
+another process, so a model step never blocks the event loop and neither an HTTP request nor
+detokenization delays a step. The two talk over a pair of ``multiprocessing`` pipes. The core
+sends *deltas* (new token ids, new logprobs, how a sequence ended), not the engine's cumulative
+outputs, so a step's message stays small however long the outputs grow. The core never decodes
+text: the frontend does, and when a stop string ends a sequence it sends ``StopSequences`` (or
+``AbortRequests`` when no sequence of the request is left).
 
 Invariants: every message is one of the dataclasses below; the core answers a ``GetStats`` between
 two steps (never mid-step); a request the core refuses gets exactly one ``RequestError`` and no
@@ -39,6 +42,12 @@ class AbortRequests:
 
 
 @dataclass
+class StopSequences:
+    request_id: str
+    indices: list[int]  # sequences (choices) of the request that a stop string ended
+
+
+@dataclass
 class GetStats:
     ticket: int
 
@@ -62,7 +71,7 @@ class StartupFailed:
 @dataclass
 class ChoiceDelta:
     index: int
-    text: str  # new stable text since the previous delta of this choice
+    text: str  # new stable text since the previous delta of this choice (filled in by the frontend)
     token_ids: list[int]  # new token ids
     logprobs: list[dict[int, float]] | None  # one {token_id: logprob} per new token
     cumulative_logprob: float | None
@@ -146,7 +155,7 @@ class EngineCore:
 
     def __init__(self, engine):
         self.engine = engine
-        # request id -> per choice (sent text length, sent token count)
+        # request id -> per choice [sent token count, finish sent]
         self.sent: dict[str, list[list[int]]] = {}
 
     def add(self, msg: AddRequest) -> RequestError | None:
@@ -162,23 +171,30 @@ class EngineCore:
         for rid in request_ids:
             self.sent.pop(rid, None)
 
+    def stop(self, msg: StopSequences) -> None:
+        if self.engine.stop_sequences(msg.request_id, msg.indices):
+            self.sent.pop(msg.request_id, None)
+        elif msg.request_id in self.sent:
+            for i in msg.indices:
+                self.sent[msg.request_id][i][1] = 1  # the frontend already knows how it ended
+
     def step(self) -> list[RequestDelta]:
         deltas = []
         for out in self.engine.step():
             sent = self.sent.get(out.request_id)
             if sent is None:  # aborted while in the step
                 continue
-            first = all(s[1] == 0 for s in sent)
+            first = all(s[0] == 0 for s in sent)
             choices = []
             for c in out.outputs:
                 s = sent[c.index]
-                if len(c.token_ids) == s[1] and len(c.text) == s[0] and c.finish_reason is None:
-                    continue
+                if s[1] or (len(c.token_ids) == s[0] and c.finish_reason is None):
+                    continue  # ended earlier (and said so), or nothing new
                 choices.append(ChoiceDelta(
-                    c.index, c.text[s[0]:], c.token_ids[s[1]:],
-                    c.logprobs[s[1]:] if c.logprobs is not None else None,
+                    c.index, "", c.token_ids[s[0]:],
+                    c.logprobs[s[0]:] if c.logprobs is not None else None,
                     c.cumulative_logprob, c.finish_reason, c.stop_reason))
-                s[0], s[1] = len(c.text), len(c.token_ids)
+                s[0], s[1] = len(c.token_ids), c.finish_reason is not None
             if out.finished:
                 del self.sent[out.request_id]
             deltas.append(RequestDelta(out.request_id, choices, out.finished, out.num_cached_tokens,
@@ -200,7 +216,7 @@ def run_engine_core(config: EngineConfig, in_conn, out_conn, log_level: int = lo
         from appliance.runtime.worker import worker_startup
 
         runtime = worker_startup(placement)  # pin threads; confirm mimalloc / libgomp are live
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, detokenize=False)
         _warm_up(engine)
         info = engine_info(engine)
         info["runtime"] = runtime
@@ -251,6 +267,8 @@ def _loop(core: EngineCore, in_conn, out_conn) -> None:
                     replies.append(err)
             elif isinstance(msg, AbortRequests):
                 core.abort(msg.request_ids)
+            elif isinstance(msg, StopSequences):
+                core.stop(msg)
             elif isinstance(msg, GetStats):
                 replies.append(Stats(msg.ticket, engine_stats(engine)))
             elif isinstance(msg, Shutdown):

@@ -68,6 +68,7 @@ class OpenAIServing:
         self.started = time.time()
         self._token_str: dict[int, str] = {}
         client.on_delta = self._on_delta
+        client.tokenizer = tokenizer
 
     # -- checks -------------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:

@@ -184,3 +184,50 @@ def test_sampler_distribution(kw, expected):
     for f, e in zip(freq.tolist(), expected):
         se = math.sqrt(max(e * (1 - e), 1e-12) / n)
         assert abs(f - e) <= 4 * se + 1e-9, (kw, freq, expected)
+
+
+def test_engine_without_detokenization_never_decodes_and_stops_on_request(llama_dir):
+    """The server's engine core (detokenize=False) gives the same tokens as the offline engine,
+    never calls the tokenizer's decode, and ``stop_sequences`` (what the frontend sends when a stop
+    string matched) frees the sequence's blocks at once with no further output for it."""
+    from appliance.config import EngineConfig
+    from appliance.engine.llm_engine import LLMEngine
+
+    cfg = EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=256)
+    sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=12, n=2, stop=["never matches"])
+    ref_engine = LLMEngine(cfg)
+    ref_engine.add_request("a", PROMPT, sp)
+    ref = {}
+    while ref_engine.has_unfinished_requests():
+        for o in ref_engine.step():
+            ref = o
+    engine = LLMEngine(cfg, detokenize=False)
+
+    def no_decode(*a, **k):
+        raise AssertionError("the engine core decoded text")
+
+    engine.tokenizer.decode = no_decode
+    engine.add_request("a", PROMPT, sp)
+    engine.add_request("b", PROMPT, SamplingParams(temperature=0, ignore_eos=True, max_tokens=12))
+    idle_usage, seen_after_stop, last = None, [], {}
+    for step in range(40):
+        if not engine.has_unfinished_requests():
+            break
+        outs = engine.step()
+        engine.check_integrity()
+        for o in outs:
+            last[o.request_id] = o
+            assert all(c.text == "" for c in o.outputs)
+            if o.request_id == "b" and step >= 4:
+                seen_after_stop.append(o)
+        if step == 3:
+            usage = engine.kv_cache_usage()
+            assert engine.stop_sequences("b", [0]) is True  # b's only sequence: b is dropped
+            assert engine.kv_cache_usage() < usage
+            assert engine.stop_sequences("a", [1]) is False  # a's first sequence still runs
+    assert not engine.has_unfinished_requests() and not seen_after_stop
+    assert engine.kv_cache_usage() == 0.0
+    a = last["a"]
+    assert a.outputs[0].token_ids == ref.outputs[0].token_ids and a.outputs[0].finish_reason == "length"
+    assert a.outputs[1].finish_reason == "stop" and len(a.outputs[1].token_ids) == 4
+    assert a.outputs[1].token_ids == ref.outputs[1].token_ids[:4]

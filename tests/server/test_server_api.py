@@ -234,7 +234,7 @@ def test_chat_logprobs_match_offline(client, offline):
     assert "".join(i.token for i in content) == r.choices[0].message.content
 
 
-def test_stop_strings(client):
+def test_stop_strings(client, offline, tok):
     base = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=20, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
     assert len(base) >= 8, base
@@ -245,6 +245,11 @@ def test_stop_strings(client):
     assert c.text == base[: base.index(stop)]
     assert c.finish_reason == "stop"
     assert c.model_extra["stop_reason"] == stop
+    # The frontend matched the stop string (the core never sees text): the usage counts exactly the
+    # tokens up to the one that completed it, as the offline engine (which stops in-process) does.
+    ref_ids = offline.generate([PROMPT], greedy(max_tokens=20, ignore_eos=True))[0].outputs[0].token_ids
+    need = next(k for k in range(1, len(ref_ids) + 1) if stop in tok.decode(ref_ids[:k]))
+    assert r.usage.completion_tokens == need
     streamed = "".join(ch.choices[0].text for ch in client.completions.create(
         model=NAME, prompt=PROMPT, max_tokens=20, temperature=0, stop=stop, stream=True,
         extra_body={"ignore_eos": True}))

@@ -59,29 +59,63 @@ class _FakeEngine:
         pass
 
 
-def test_engine_core_sends_deltas_of_cumulative_outputs():
+def test_engine_core_sends_token_deltas_of_cumulative_outputs():
+    """The core sends new token ids only (no text: it never detokenizes), and a choice's end once."""
     from appliance.engine.llm_engine import CompletionOutput, RequestOutput
     from appliance.sampling_params import SamplingParams
     from appliance.server.engine_core import AddRequest
 
-    def out(texts, ids, fin):
-        return RequestOutput("r", None, [5, 6], [CompletionOutput(i, t, list(x), None, None, f)
-                                                 for i, (t, x, f) in enumerate(zip(texts, ids, fin))],
+    def out(ids, fin):
+        return RequestOutput("r", None, [5, 6], [CompletionOutput(i, "", list(x), None, None, f)
+                                                 for i, (x, f) in enumerate(zip(ids, fin))],
                              finished=all(fin), prompt_logprobs=None)
 
-    steps = [[out(["He", ""], [[1], [2]], [None, None])],
-             [out(["Hello", ""], [[1, 3], [2, 4]], [None, None])],
-             [out(["Hello!", "ok"], [[1, 3, 7], [2, 4, 8]], ["length", "stop"])]]
+    steps = [[out([[1], [2]], [None, None])],
+             [out([[1, 3], [2, 4]], [None, "stop"])],
+             [out([[1, 3, 7], [2, 4]], [None, "stop"])],
+             [out([[1, 3, 7, 9], [2, 4]], ["length", "stop"])]]
     core = EngineCore(_FakeEngine(steps))
     assert core.add(AddRequest("r", [5, 6], SamplingParams(n=2))) is None
     d1, = core.step()
-    assert d1.first and [(c.index, c.text, c.token_ids) for c in d1.choices] == [(0, "He", [1]), (1, "", [2])]
+    assert d1.first and [(c.index, c.text, c.token_ids) for c in d1.choices] == [(0, "", [1]), (1, "", [2])]
     d2, = core.step()
-    assert not d2.first and [(c.text, c.token_ids) for c in d2.choices] == [("llo", [3]), ("", [4])]
-    d3, = core.step()
-    assert d3.finished and [(c.text, c.token_ids, c.finish_reason) for c in d3.choices] == \
-        [("!", [7], "length"), ("ok", [8], "stop")]
+    assert not d2.first and [(c.token_ids, c.finish_reason) for c in d2.choices] == [([3], None), ([4], "stop")]
+    d3, = core.step()  # choice 1 ended last step: not repeated
+    assert [(c.index, c.token_ids) for c in d3.choices] == [(0, [7])] and not d3.finished
+    d4, = core.step()
+    assert d4.finished and [(c.index, c.token_ids, c.finish_reason) for c in d4.choices] == [(0, [9], "length")]
     assert core.sent == {}
+
+
+def test_frontend_applies_text_and_stop_strings_to_core_deltas(llama_dir):
+    """RequestStream.apply_text: the frontend's half of the split. A stop string that the core does
+    not know about ends the choice, drops the tokens after it (and their logprobs) and is reported
+    so that the core can be told to stop the sequence."""
+    from transformers import AutoTokenizer
+
+    from appliance.engine.detokenizer import ChoiceText
+    from appliance.sampling_params import SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(str(llama_dir))
+    ids = tok.encode("one two three four", add_special_tokens=False)
+    params = SamplingParams(n=2, stop=["three"], logprobs=0)
+    s = RequestStream("r", 2, 2, asyncio.Queue(), [ChoiceText(tok, [5, 6], params) for _ in range(2)])
+    cut = next(i for i in range(len(ids)) if "three" in tok.decode(ids[:i + 1]))
+    lps = [{t: -0.5} for t in ids]
+    d = RequestDelta("r", [ChoiceDelta(0, "", ids, lps, -0.5 * len(ids), None, None),
+                           ChoiceDelta(1, "", ids[:1], lps[:1], -0.5, None, None)], False, first=True)
+    assert s.apply_text(d) == [0]
+    c0, c1 = d.choices
+    assert c0.token_ids == ids[:cut + 1] and len(c0.logprobs) == cut + 1
+    assert c0.cumulative_logprob == pytest.approx(-0.5 * (cut + 1))
+    assert (c0.text, c0.finish_reason, c0.stop_reason) == ("one two ", "stop", "three")
+    assert c1.finish_reason is None and not d.finished
+    # the core, not yet told, sends choice 0 another token: dropped; choice 1 ends by length
+    d2 = RequestDelta("r", [ChoiceDelta(0, "", [ids[-1]], None, None, None, None),
+                            ChoiceDelta(1, "", ids[1:2], None, None, "length", None)], True)
+    assert s.apply_text(d2) == []
+    assert [(c.index, c.finish_reason) for c in d2.choices] == [(1, "length")] and d2.finished
+    assert "".join([c1.text, d2.choices[0].text]) == tok.decode(ids[:2])
 
 
 def test_histogram_and_metrics_text():

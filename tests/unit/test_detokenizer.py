@@ -58,3 +58,58 @@ def test_stop_string_across_tokens_and_holdback(tok):
     assert all(not s.endswith("fox ju") for s in seen)
     d2, _ = stream(tok, [], ids, stop=["fox jum"], include_stop_str_in_output=True)
     assert d2.text == "The quick brown fox jum"
+
+
+# -- ChoiceText: the per-sequence text and stop rules, as the offline engine and the server's
+# frontend both run them -------------------------------------------------------------------------
+
+def _params(**kw):
+    from appliance.sampling_params import SamplingParams
+
+    return SamplingParams(**kw)
+
+
+def test_choice_text_stop_string_cuts_tokens_and_sets_reason(tok):
+    from appliance.engine.detokenizer import ChoiceText
+
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = tok.encode(text, add_special_tokens=False)
+    ct = ChoiceText(tok, [], _params(stop=["fox jum"]))
+    # all tokens offered in one delta (the core may be ahead): only those up to the stop string count
+    k = ct.update(ids)
+    assert ct.finished and (ct.finish_reason, ct.stop_reason) == ("stop", "fox jum")
+    assert tok.decode(ids[:k]).find("fox jum") != -1 and tok.decode(ids[:k - 1]).find("fox jum") == -1
+    assert ct.new_text() == "The quick brown " and ct.new_text() == ""
+    assert ct.update(ids[:3]) == 0  # nothing more once ended
+
+
+def test_choice_text_min_tokens_defers_stop_strings(tok):
+    from appliance.engine.detokenizer import ChoiceText
+
+    ids = tok.encode(" stop here and stop again", add_special_tokens=False)
+    first_stop = next(i for i in range(len(ids)) if "stop" in tok.decode(ids[:i + 1]))
+    ct = ChoiceText(tok, [], _params(stop=["stop"], min_tokens=first_stop + 2))
+    k = ct.update(ids)
+    # the first "stop" is inside the first min_tokens tokens: ignored; the second one ends the text
+    assert ct.stop_reason == "stop" and ct.text == " stop here and " and k > first_stop + 1
+
+
+def test_choice_text_stopping_token_text_is_dropped_unless_asked(tok):
+    from appliance.engine.detokenizer import ChoiceText
+
+    ids = tok.encode("Hello world", add_special_tokens=False)
+    eos = ids[-1]
+    for include, want in ((False, tok.decode(ids[:-1])), (True, tok.decode(ids))):
+        ct = ChoiceText(tok, [], _params(include_stop_str_in_output=include))
+        ct.update(ids[:-1])
+        assert ct.update([eos], "stop", eos) == 1
+        assert ct.text == want and (ct.finish_reason, ct.stop_reason) == ("stop", eos)
+
+
+def test_choice_text_length_end_that_completes_a_stop_string_is_a_stop(tok):
+    from appliance.engine.detokenizer import ChoiceText
+
+    ids = tok.encode("abc END", add_special_tokens=False)
+    ct = ChoiceText(tok, [], _params(stop=["END"]))
+    ct.update(ids, "length", None)
+    assert (ct.finish_reason, ct.stop_reason, ct.text) == ("stop", "END", "abc ")
