@@ -3,7 +3,7 @@
 trace shows them by name.
 
 Buckets are exclusive (a range nested in another is subtracted from its parent):
-  linear          every ``Linear.forward`` (q/k/v, o, gate/up, down, lm_head)
+  linear          every ``Linear.forward`` and ``QuantLinear.forward`` (q/k/v, o, gate/up, down, lm_head)
   attention       ``Attention.forward``: KV cache write + paged attention / prefill SDPA
   norm_rotary_act RMSNorm, rotary embedding, SiLU-and-mul
   other_forward   the rest of the model forward: embedding, views, residual adds
@@ -69,8 +69,9 @@ def instrumented(engine, timers: _Timers):
     from appliance.layers.attention import Attention
     from appliance.layers.linear import Linear
     from appliance.layers.norm import RMSNorm
+    from appliance.layers.quant import QuantLinear
 
-    saved_cls = [(Linear, "forward", "linear"), (Attention, "forward", "attention"),
+    saved_cls = [(Linear, "forward", "linear"), (QuantLinear, "forward", "linear"), (Attention, "forward", "attention"),
                  (RMSNorm, "forward", "norm_rotary_act"), (Sampler, "__call__", "sampling"),
                  (IncrementalDetokenizer, "add_tokens", "detokenize"), (IncrementalDetokenizer, "flush", "detokenize")]
     originals = []

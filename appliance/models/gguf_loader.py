@@ -10,6 +10,21 @@ stores rotary pairs interleaved, HF stores them as two halves); we undo that exa
 transformers' own GGUF loader does (``LlamaTensorProcessor._reverse_permute_weights``).
 qwen2/qwen3 are stored unpermuted (llama.cpp runs them in NEOX rope mode).
 
+The directory records the file it came from (``gguf_source.json``: path, size, mtime), so a
+load with ``--quantization w4a8`` can take the decoder projections straight from the GGUF's
+blocks where the formats line up, with no float matrix in between (``direct_w4_weights``, used
+by ``appliance.models.quant_loader``):
+
+- ``Q4_0`` (per 32 weights: fp16 ``d``, 32 nibbles ``u``; ``w = d * (u - 8)``): W4 group 32,
+  ``q = u - 8``, scale ``d``, zero point 0. Exact.
+- ``Q4_1`` (fp16 ``d`` and ``m``; ``w = d * u + m``): W4 group 32, ``q = u - 8``, scale ``d``, zero
+  point ``-8 - m / d`` in fp32, so ``(q - zp) * d = d * u + m`` up to the zero point's rounding
+  (``|error| <= 2^-24 * (|m| + 8 |d|)``, about an fp32 ulp of the group's largest weight). A group
+  with ``d == 0`` (all weights ``m``) gets the scale ``2^floor(log2 |m|)``, which makes it exact.
+- ``Q8_0`` (fp16 ``d``, 32 int8; ``w = d * q``) does not line up: the W8 backends take one scale per
+  output channel, not per 32 weights, so Q8_0 tensors, like every other type (F32, F16, K-quants),
+  are dequantized here and quantized at load as a float checkpoint is.
+
 The output directory is written into a temp dir next to it and renamed into place, so a
 crashed conversion never leaves a half-written model directory behind.
 """
@@ -21,6 +36,7 @@ import os
 import shutil
 import struct
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +45,11 @@ from appliance.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 GGUF_MAGIC = b"GGUF"
+SOURCE_RECORD = "gguf_source.json"  # in a converted directory: the GGUF it came from
+# GGUF types whose blocks are W4 groups of GGUF_BLOCK weights as they are (see the module docstring)
+GGUF_BLOCK = 32
+DIRECT_W4_TYPES = ("Q4_0", "Q4_1")
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
 
 # GGUF architecture (after the mistral-as-llama patch) -> (HF model_type, HF architecture).
 _HF_ARCH = {
@@ -80,6 +101,8 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
         os.chmod(tmp, 0o755)
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", generation_config)
+        st = gguf_path.stat()
+        _write_json(tmp / SOURCE_RECORD, {"path": str(gguf_path), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
         _write_safetensors(tmp / "model.safetensors", _hf_tensors(reader, meta, config, gguf_path))
         _write_tokenizer(tmp, gguf_path, meta, config)
         _replace_dir(tmp, out_dir)
@@ -271,12 +294,9 @@ def llama3_freq_factors(scaling: dict, rope_theta: float, head_dim: int) -> np.n
     return np.array(out)
 
 
-def _hf_tensors(reader, meta: dict, config: dict, path: Path):
-    """Yields (hf_name, hf_shape, loader) for each weight; loader() returns float32 numpy."""
-    from gguf.quants import dequantize
-
+def _tensor_plan(reader, meta: dict, config: dict, path: Path):
+    """(GGUF tensor, HF name, HF shape, heads whose q/k rows to un-permute or None) per weight."""
     arch = meta["general.architecture"]
-    out = []
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # folded into config["rope_scaling"]
@@ -291,13 +311,86 @@ def _hf_tensors(reader, meta: dict, config: dict, path: Path):
         n_heads = None
         if arch == "llama" and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
             n_heads = config["num_attention_heads" if ".attn_q." in t.name else "num_key_value_heads"]
+        yield t, hf_name, shape, n_heads
 
+
+def _hf_tensors(reader, meta: dict, config: dict, path: Path):
+    """Yields (hf_name, hf_shape, loader) for each weight; loader() returns float32 numpy."""
+    from gguf.quants import dequantize
+
+    out = []
+    for t, hf_name, shape, n_heads in _tensor_plan(reader, meta, config, path):
         def load(t=t, shape=shape, n_heads=n_heads):
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
             return w if n_heads is None else _unpermute_rows(w, n_heads)
 
         out.append((hf_name, shape, load))
     return out
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file ``model_dir`` was converted from, if it recorded one and that file is still the
+    one it was converted from (same size and mtime); else None."""
+    record = Path(model_dir) / SOURCE_RECORD
+    if not record.is_file():
+        return None
+    try:
+        src = json.loads(record.read_text())
+        path = Path(src["path"])
+        st = path.stat()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return path if (st.st_size, st.st_mtime_ns) == (src["size"], src["mtime_ns"]) else None
+
+
+def direct_w4_weights(gguf_path: Path) -> dict[str, tuple[str, Callable[[], tuple]]]:
+    """The decoder projection weights of ``gguf_path`` stored as Q4_0/Q4_1: HF weight name ->
+    (GGUF type, loader). ``loader()`` decodes the raw blocks (never a float matrix) into
+    QuantLinear's canonical W4 form at group size ``GGUF_BLOCK`` (``appliance.layers.quant``):
+    (q int8 ``[out, in]`` in [-8, 7], scale float32 ``[out, in / 32]``, zero point float32 of the
+    same shape, or None for Q4_0), in HF row order (llama's q/k rows un-permuted, rows of q, scale
+    and zero point alike). See the module docstring for the mapping of each type."""
+    gguf_path = Path(gguf_path)
+    reader = open_gguf(gguf_path)
+    meta = _read_metadata(reader, gguf_path)
+    config, _ = _build_configs(reader, meta, gguf_path)
+    out = {}
+    for t, hf_name, shape, n_heads in _tensor_plan(reader, meta, config, gguf_path):
+        qtype = t.tensor_type.name
+        if qtype not in DIRECT_W4_TYPES or not hf_name.endswith("_proj.weight") or len(shape) != 2:
+            continue
+
+        def load(t=t, qtype=qtype, shape=shape, n_heads=n_heads):
+            parts = _decode_w4(t.data, qtype, *shape)
+            return tuple(p if p is None or n_heads is None else _unpermute_rows(p, n_heads) for p in parts)
+
+        out[hf_name] = (qtype, load)
+    return out
+
+
+def _decode_w4(data: np.ndarray, qtype: str, rows: int, cols: int):
+    """Raw Q4_0/Q4_1 blocks of a [rows, cols] tensor -> (q, scale, zero point or None), see
+    ``direct_w4_weights``. A block: fp16 d (Q4_1: then fp16 m), then 16 bytes holding weight j in
+    the low nibble of byte j and weight j + 16 in its high nibble."""
+    nb = _BLOCK_BYTES[qtype]
+    if cols % GGUF_BLOCK or np.asarray(data).size != rows * cols // GGUF_BLOCK * nb:
+        raise ModelLoadError(f"{qtype} tensor data does not hold [{rows}, {cols}] weights")
+    b = np.asarray(data, dtype=np.uint8).reshape(rows, cols // GGUF_BLOCK, nb)
+    d = np.ascontiguousarray(b[..., 0:2]).view("<f2")[..., 0].astype(np.float32)
+    qs = b[..., nb - 16:]
+    q = (np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - 8).reshape(rows, cols)
+    if qtype == "Q4_0":  # w = d * (u - 8) = (q - 0) * d
+        return q, d, None
+    m = np.ascontiguousarray(b[..., 2:4]).view("<f2")[..., 0].astype(np.float64)
+    # w = d * u + m = (q - zp) * d with zp = -8 - m / d. Where d == 0 every weight is m: u = 0 and a
+    # power-of-two scale s (m / s is then exact) give (-8 - (-8 - m / s)) * s = m.
+    zero = d == 0
+    if zero.any():
+        pow2 = np.exp2(np.floor(np.log2(np.abs(m), where=m != 0, out=np.zeros_like(m))))
+        d = np.where(zero, np.where(m != 0, pow2, 1.0), d).astype(np.float32)
+        q = np.where(np.repeat(zero, GGUF_BLOCK, axis=1), np.int8(-8), q)
+    zp = (-8 - m / d.astype(np.float64)).astype(np.float32)
+    return q, d, zp
 
 
 def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -77,13 +77,15 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_weights(path: Path):
-    """Yield (file, tensor name, tensor) from every safetensors file, one tensor at a time."""
+def iter_weights(path: Path, skip=lambda name: False):
+    """Yield (file, tensor name, tensor) from every safetensors file, one tensor at a time; tensors
+    whose name ``skip`` accepts are never read."""
     for f in safetensors_files(path):
         try:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
-                    yield f, name, st.get_tensor(name)
+                    if not skip(name):
+                        yield f, name, st.get_tensor(name)
         except ModelLoadError:
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt headers

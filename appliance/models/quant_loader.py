@@ -12,15 +12,26 @@ compressed-tensors layouts read (and written by ``appliance convert``):
   packed eight per int32 along ``out`` (compressed-tensors' own).
 Integer weights per channel (8-bit) or per channel/group (4-bit); anything else is an error naming
 the field.
+
+A model directory converted from a GGUF (``gguf_loader``; it names its source file) loaded with
+``--quantization w4a8`` at group size 32 (the default, the GGUF block size) takes every projection
+whose tensors are Q4_0/Q4_1 straight from the GGUF's blocks (``gguf_loader.direct_w4_weights``):
+their float copies in the converted directory are never read, and nothing is re-quantized. A fused
+q/k/v or gate/up goes this way when all its shards do (Q4_0 and Q4_1 shards mix: both are group-32
+rows of the same form); otherwise, and for other types, other group sizes, ``w8a8`` (Q8_0's
+per-32 scales do not fit the per-channel W8 backends) or a GGUF that is gone or changed since the
+conversion, the layer is quantized from the float weights as for any float checkpoint.
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 
 import torch
 
 from appliance.errors import ModelLoadError
+from appliance.layers.linear import Linear
 from appliance.layers.quant import (
     QuantLinear,
     quantize_model,
@@ -28,6 +39,8 @@ from appliance.layers.quant import (
     unpack_int32_to_int4,
 )
 from appliance.models.loader import ModelInfo, check_complete, iter_weights, load_model
+
+log = logging.getLogger("appliance")
 
 
 @dataclass(frozen=True)
@@ -127,8 +140,11 @@ def load(info: ModelInfo, dtype: torch.dtype, device: torch.device, quantization
     if spec is None:
         if quantization == "none":
             return load_model(info, dtype, device)
-        # quantized from the checkpoint's values in fp32 (not from a bf16 copy), as `convert` does
-        model = load_model(info, torch.float32, device)
+        # quantized from the checkpoint's values in fp32 (not from a bf16 copy), as `convert` does;
+        # a converted GGUF's Q4 projections come straight from its blocks
+        src, direct = _gguf_direct(info, quantization, group_size)
+        model = _load_gguf_direct(info, quantization, src, direct, device) if direct else \
+            load_model(info, torch.float32, device)
         try:
             quantize_model(model, quantization, group_size)
         except ValueError as e:
@@ -142,19 +158,87 @@ def load(info: ModelInfo, dtype: torch.dtype, device: torch.device, quantization
 
 
 def _load_prequantized(info: ModelInfo, spec: QuantSpec, dtype: torch.dtype, device: torch.device):
+    ignore = tuple(spec.ignore) + ("lm_head",)
+
+    def keep_float(model):
+        names = [n for n, _ in model.named_modules() if n]
+        # a fused q/k/v or gate/up is quantized when its checkpoint parts are
+        return tuple(n for n in names if _ignored(n, ignore)) + tuple(
+            n for n in names if any(_ignored(n.replace(f, p), ignore) for f, parts in _FUSED.items() for p in parts))
+
+    return _load_quantized(info, spec.scheme, spec.group_size, keep_float, lambda model: iter_weights(info.path),
+                           dtype, device, "quantization_config.config_groups", "config.json and quantization_config")
+
+
+def _gguf_direct(info: ModelInfo, scheme: str, group_size: int):
+    """(the GGUF ``info.path`` was converted from, {HF weight name: loader of its canonical W4
+    tensors}) for the projections that map straight to ``scheme`` at ``group_size`` (see the module
+    docstring); the dict is empty for none."""
+    from appliance.models import gguf_loader
+
+    src = gguf_loader.gguf_source(info.path)
+    if src is None:
+        return None, {}
+    if scheme != "w4a8":
+        log.info("%s: no GGUF type maps straight to per-channel %s; quantizing the dequantized weights", src, scheme)
+        return src, {}
+    if group_size != gguf_loader.GGUF_BLOCK:
+        log.info("%s: GGUF Q4 blocks are groups of %d, quant_group_size is %d; quantizing the dequantized weights",
+                 src, gguf_loader.GGUF_BLOCK, group_size)
+        return src, {}
+    return src, {name: load for name, (_, load) in gguf_loader.direct_w4_weights(src).items()}
+
+
+def _load_gguf_direct(info: ModelInfo, scheme: str, src, direct: dict, device: torch.device):
+    """The model with a group-32 QuantLinear, filled from the GGUF's blocks, for every projection all
+    of whose tensors are in ``direct``; every other layer float32, from the converted directory."""
+    from appliance.models.gguf_loader import GGUF_BLOCK
+
+    def keep_float(model):
+        got: dict[str, set] = {}
+        for name in direct:
+            pname, shard = model.param_for(name)
+            got.setdefault(pname.rsplit(".", 1)[0], set()).add(shard)
+        return tuple(n for n, m in model.named_modules()
+                     if isinstance(m, Linear) and got.get(n) != (set(m.shards) or {None}))
+
+    def tensors(model):
+        def straight(name: str) -> bool:
+            return name in direct and isinstance(model.get_submodule(model.param_for(name)[0].rsplit(".", 1)[0]),
+                                                 QuantLinear)
+
+        yield from iter_weights(info.path, skip=straight)  # the float copies of direct layers are never read
+        for name, load in direct.items():
+            if straight(name):
+                q, scale, zp = load()
+                base = name[: -len(".weight")]
+                yield src, name, torch.from_numpy(q)
+                yield src, f"{base}.weight_scale", torch.from_numpy(scale)
+                if zp is not None:  # Q4_0: zero point 0, as left by _load_quantized
+                    yield src, f"{base}.weight_zero_point", torch.from_numpy(zp)
+
+    model = _load_quantized(info, scheme, GGUF_BLOCK, keep_float, tensors, torch.float32, device,
+                            "quant_group_size", "config.json and the GGUF file")
+    layers = [m for n, m in model.named_modules() if isinstance(m, (Linear, QuantLinear)) and n != "lm_head"]
+    log.info("%s: %d of %d projections taken straight from the GGUF's Q4 blocks; the others are quantized from "
+             "their dequantized weights", src, sum(isinstance(m, QuantLinear) for m in layers), len(layers))
+    return model
+
+
+def _load_quantized(info: ModelInfo, scheme: str, group_size: int | None, keep_float, tensors,
+                    dtype: torch.dtype, device: torch.device, group_field: str, what: str):
+    """The model with every Linear except those named by ``keep_float(model)`` an empty QuantLinear,
+    filled from ``tensors(model)`` ((file, name, tensor) in the compressed-tensors names: int8
+    ``weight``, or ``weight_packed``; ``weight_scale``; ``weight_zero_point``; float tensors as they
+    are). For errors: ``group_field`` names where the group size comes from, ``what`` the shapes."""
     from appliance.models.registry import build_model
 
     with torch.device("meta"):
         model = build_model(info.architecture, info.hf_config)
-        ignore = tuple(spec.ignore) + ("lm_head",)
-        skip = tuple(n for n, _ in model.named_modules() if n and _ignored(n, ignore))
-        # a fused q/k/v or gate/up is quantized when its checkpoint parts are
-        skip += tuple(n for n, _ in model.named_modules()
-                      if any(_ignored(n.replace(f, p), ignore) for f, parts in _FUSED.items() for p in parts))
         try:
-            swap_to_quant(model, spec.scheme, spec.group_size, skip=skip)
+            swap_to_quant(model, scheme, group_size, skip=keep_float(model) + ("lm_head",))
         except ValueError as e:
-            raise ModelLoadError(f"{info.path}: quantization_config.config_groups: {e}") from e
+            raise ModelLoadError(f"{info.path}: {group_field}: {e}") from e
     model = model.to_empty(device=device)
     for m in model.modules():  # symmetric checkpoints carry no zero points
         if isinstance(m, QuantLinear) and m.weight_zero_point is not None:
@@ -162,7 +246,7 @@ def _load_prequantized(info: ModelInfo, spec: QuantSpec, dtype: torch.dtype, dev
     _cast_float(model, dtype)
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {}
-    for f, name, tensor in iter_weights(info.path):
+    for f, name, tensor in tensors(model):
         if "rotary_emb.inv_freq" in name or name.endswith(".weight_shape"):
             continue
         if name == "lm_head.weight" and "lm_head.weight" not in params:
@@ -177,7 +261,7 @@ def _load_prequantized(info: ModelInfo, spec: QuantSpec, dtype: torch.dtype, dev
                 tensor, leaf = unpack_int32_to_int4(tensor, mod.in_features), "qweight"
             elif leaf == "weight":
                 raise ModelLoadError(f"{f}: tensor {name!r} is {tensor.dtype}, expected int8 for a "
-                                     f"quantization_config with {spec.scheme} weights")
+                                     f"quantization_config with {scheme} weights")
             elif leaf == "weight_scale":
                 tensor = tensor.float().reshape(tensor.shape[0], -1)
             elif leaf == "weight_zero_point" and mod.weight_zero_point is not None:
@@ -188,16 +272,18 @@ def _load_prequantized(info: ModelInfo, spec: QuantSpec, dtype: torch.dtype, dev
             pname = f"{mod_name}.{leaf}"
         p = params.get(pname)
         if p is None:
-            raise ModelLoadError(f"{f}: unexpected tensor {name!r} for {info.architecture} ({spec.scheme})")
+            raise ModelLoadError(f"{f}: unexpected tensor {name!r} for {info.architecture} ({scheme})")
         dst = p.data
         if shard is not None:
             offset, rows = mod.shards[shard]
             dst = dst.narrow(0, offset, rows)
         if tuple(tensor.shape) != tuple(dst.shape):
             raise ModelLoadError(f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)} "
-                                 f"from config.json and quantization_config")
-        if leaf == "qweight" and spec.scheme == "w4a8" and (tensor.min() < -8 or tensor.max() > 7):
-            raise ModelLoadError(f"{f}: tensor {name!r} holds values outside int4")
+                                 f"from {what}")
+        if leaf == "qweight" and scheme == "w4a8":
+            q = tensor.numpy()  # numpy's int8 min/max are ~100x faster than torch's here
+            if q.min() < -8 or q.max() > 7:
+                raise ModelLoadError(f"{f}: tensor {name!r} holds values outside int4")
         dst.copy_(tensor)
         loaded.setdefault(pname, set()).add(shard)
     # symmetric int4 checkpoints carry no zero points

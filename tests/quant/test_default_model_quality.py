@@ -83,7 +83,8 @@ def _emulate_dynquant(mp):
         if backend != "w4a8_dynquant":
             return real_pack(backend, qweight, scale, zero_point)
         off = quant._offset(scale, zero_point)
-        return {"wd": quant.dequantize(qweight, scale, None, torch.float32), "group": qweight.shape[1] // scale.shape[1],
+        held = scale if scale.shape[1] == 1 else scale.bfloat16()  # KleidiAI holds group scales in bf16
+        return {"wd": quant.dequantize(qweight, held, None, torch.float32), "group": qweight.shape[1] // scale.shape[1],
                 "offset_t": None if off is None else off.t().contiguous()}
 
     def run(backend, p, x, n, k):

@@ -51,7 +51,27 @@ def test_backend_matches_fp64_reference(case, shape):
     g = k if group is None else group
     w = _weights(n, k)
     qw, s, *zp = quant.quantize_int8(w) if scheme == "w8a8" else quant.quantize_int4(w, g)
-    zp = zp[0] if zp else None
+    _assert_matches_reference(backend, qw, s, zp[0] if zp else None)
+
+
+@pytest.mark.parametrize("backend", quant.BACKENDS["w4a8"])
+def test_gguf_block_scales_match_reference(backend):
+    """W4 as a GGUF's Q4_0/Q4_1 blocks load (appliance.models.gguf_loader): group 32, fp16 scales that
+    bf16 does not hold (the kernels round them when packing), negative ones (Q4_0's d = max / -8),
+    zero points 0 or -8 - m / d."""
+    n, k = 960, 576
+    g = torch.Generator().manual_seed(3)
+    qw = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+    d = (torch.randn(n, k // 32, generator=g) * 0.004).half().float()
+    assert not torch.equal(d, d.bfloat16().float()) and (d < 0).any()
+    m = (torch.randn(n, k // 32, generator=g) * 0.03).half().float()
+    zp = torch.where(torch.arange(n)[:, None] < n // 2, 0.0, (-8 - m.double() / d.abs().double()).float())
+    _assert_matches_reference(backend, qw, d, zp)
+    _assert_matches_reference(backend, qw, d.abs(), zp)
+
+
+def _assert_matches_reference(backend, qw, s, zp):
+    n, k = qw.shape
     bias = torch.randn(n) * 0.1
     p = quant.pack(backend, qw, s, zp)
     for m in (1, 7, 33):
