@@ -208,13 +208,22 @@ def classify(path: str | os.PathLike) -> Classification:
 
 # -- what the process has, and the preload -------------------------------------------------------
 def mapped_libgomp(pid: int | str = "self") -> str | None:
-    """The libgomp file mapped into process ``pid`` (None if OpenMP is not loaded yet)."""
+    """The libgomp file mapped into process ``pid`` that serves ``libgomp.so.1`` (torch's OpenMP, or
+    the preloaded one); None if OpenMP is not loaded yet.
+
+    Wheels repaired by auditwheel carry private, renamed copies (``libgomp-<hash>.so.1.0.0``, e.g.
+    sentencepiece's) that only their own extension calls; they are reported only when nothing else
+    is mapped."""
+    found = []
     with open(f"/proc/{pid}/maps") as f:
         for line in f:
             parts = line.split(None, 5)
             if len(parts) == 6 and re.search(r"/libgomp[^/]*\.so[.0-9]*$", parts[5].strip()):
-                return parts[5].strip()
-    return None
+                path = parts[5].strip()
+                if path not in found:
+                    found.append(path)
+    main = [p for p in found if not re.search(r"/libgomp-[0-9a-f]{8}\.so", p)]
+    return (main or found or [None])[0]
 
 
 def torch_bundled_libgomp() -> Path | None:

@@ -106,3 +106,20 @@ def test_classify_text_on_a_handwritten_helper():
     assert c.verdict == "outline-atomics"
     assert (c.lse, c.lse_guarded, c.llsc) == (1, 1, 2)
     assert c.dynamic_path["instructions"] == 10
+
+
+def test_mapped_libgomp_is_the_one_torch_uses_not_a_private_wheel_copy():
+    """sentencepiece's wheel carries a renamed private libgomp; the report must name the one that
+    serves libgomp.so.1 (torch's here), whatever the order of the mappings."""
+    import re
+
+    import sentencepiece  # noqa: F401 - maps its private copy
+    import torch  # noqa: F401
+
+    from appliance.runtime.openmp import mapped_libgomp
+
+    with open("/proc/self/maps") as f:
+        paths = {line.split(None, 5)[5].strip() for line in f if "libgomp" in line and len(line.split(None, 5)) == 6}
+    assert any(re.search(r"/libgomp-[0-9a-f]{8}\.so", p) for p in paths), paths  # the case under test
+    got = mapped_libgomp()
+    assert got in paths and not re.search(r"/libgomp-[0-9a-f]{8}\.so", got), got
