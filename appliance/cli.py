@@ -48,7 +48,7 @@ def serve(
         "--prefix-caching/--no-prefix-caching", help="Reuse KV blocks of shared prompt prefixes.")] = None,
     attention_backend: Annotated[Optional[str], Opt(help="auto | native | reference.")] = None,
     linear_backend: Annotated[Optional[str], Opt(
-        help="auto (measured per shape) | torch | onednn | w8a8_onednn | w8a16_int8pack | w4a8_dynquant | w4a16_int4pack.")] = None,
+        help="auto (measured per shape) | torch | onednn | w8a8_onednn | w8a8_native | w8a16_int8pack | w4a8_dynquant | w4a16_int4pack.")] = None,
     quantization: Annotated[Optional[str], Opt(help="Quantize a float checkpoint at load: none | w8a8 | w4a8.")] = None,
     quant_group_size: Annotated[Optional[int], Opt(help="W4 group size along the input dimension.")] = None,
     long_prefill_token_threshold: Annotated[Optional[int], Opt(

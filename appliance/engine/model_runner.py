@@ -31,7 +31,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
-        self.model = load_model(info, dtype, device, config.quantization, config.quant_group_size)
+        self.model = load_model(info, dtype, device, config.quantization, config.quant_group_size,
+                                config.linear_backend)
         self.ops = get_ops(config.attention_backend)
         self.model.prepare(self.ops, max_model_len, device)
         self.linear_backends = select_backends(self.model, config.linear_backend, dtype, device)

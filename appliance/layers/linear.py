@@ -10,7 +10,7 @@ time. After loading, each layer gets one backend, chosen once per weight shape (
   Neoverse with ACL) it is the faster one.
 
 Quantized layers (``appliance.layers.quant.QuantLinear``: W8A8, W4A8, swapped in at load) bring
-their own candidates (``w8a8_onednn``, ``w8a16_int8pack``, ``w4a8_dynquant``, ``w4a16_int4pack``).
+their own candidates (``w8a8_onednn``, ``w8a8_native``, ``w8a16_int8pack``, ``w4a8_dynquant``, ``w4a16_int4pack``).
 
 ``auto`` times the valid candidates of each layer on the real shapes at decode and prefill batch
 sizes and keeps the fastest, remembering the choice per host, torch build, dtype and shape (and

@@ -11,9 +11,9 @@ transformers' own GGUF loader does (``LlamaTensorProcessor._reverse_permute_weig
 qwen2/qwen3 are stored unpermuted (llama.cpp runs them in NEOX rope mode).
 
 The directory records the file it came from (``gguf_source.json``: path, size, mtime), so a
-load with ``--quantization w4a8`` can take the decoder projections straight from the GGUF's
-blocks where the formats line up, with no float matrix in between (``direct_w4_weights``, used
-by ``appliance.models.quant_loader``):
+load with ``--quantization w4a8`` or ``w8a8`` can take the decoder projections straight from the
+GGUF's blocks where the formats line up, with no float matrix in between (``direct_w4_weights``,
+``direct_w8_weights``, used by ``appliance.models.quant_loader``):
 
 - ``Q4_0`` (per 32 weights: fp16 ``d``, 32 nibbles ``u``; ``w = d * (u - 8)``): W4 group 32,
   ``q = u - 8``, scale ``d``, zero point 0. Exact.
@@ -21,9 +21,12 @@ by ``appliance.models.quant_loader``):
   point ``-8 - m / d`` in fp32, so ``(q - zp) * d = d * u + m`` up to the zero point's rounding
   (``|error| <= 2^-24 * (|m| + 8 |d|)``, about an fp32 ulp of the group's largest weight). A group
   with ``d == 0`` (all weights ``m``) gets the scale ``2^floor(log2 |m|)``, which makes it exact.
-- ``Q8_0`` (fp16 ``d``, 32 int8; ``w = d * q``) does not line up: the W8 backends take one scale per
-  output channel, not per 32 weights, so Q8_0 tensors, like every other type (F32, F16, K-quants),
-  are dequantized here and quantized at load as a float checkpoint is.
+- ``Q8_0`` (fp16 ``d``, then 32 int8 ``q``; ``w = d * q``): W8 group 32, ``q`` as it is, scale ``d``
+  in fp32. Exact. Only the native W8A8 backend (``w8a8_native``) takes W8 groups; the others are per
+  channel.
+
+Every other type (F32, F16, K-quants) is dequantized here and quantized at load as a float
+checkpoint is.
 
 The output directory is written into a temp dir next to it and renamed into place, so a
 crashed conversion never leaves a half-written model directory behind.
@@ -49,7 +52,8 @@ SOURCE_RECORD = "gguf_source.json"  # in a converted directory: the GGUF it came
 # GGUF types whose blocks are W4 groups of GGUF_BLOCK weights as they are (see the module docstring)
 GGUF_BLOCK = 32
 DIRECT_W4_TYPES = ("Q4_0", "Q4_1")
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+DIRECT_W8_TYPES = ("Q8_0",)  # W8 groups of GGUF_BLOCK weights as they are
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 # GGUF architecture (after the mistral-as-llama patch) -> (HF model_type, HF architecture).
 _HF_ARCH = {
@@ -350,6 +354,19 @@ def direct_w4_weights(gguf_path: Path) -> dict[str, tuple[str, Callable[[], tupl
     (q int8 ``[out, in]`` in [-8, 7], scale float32 ``[out, in / 32]``, zero point float32 of the
     same shape, or None for Q4_0), in HF row order (llama's q/k rows un-permuted, rows of q, scale
     and zero point alike). See the module docstring for the mapping of each type."""
+    return _direct_weights(gguf_path, DIRECT_W4_TYPES, _decode_w4)
+
+
+def direct_w8_weights(gguf_path: Path) -> dict[str, tuple[str, Callable[[], tuple]]]:
+    """The decoder projection weights of ``gguf_path`` stored as Q8_0: HF weight name -> (GGUF type,
+    loader). ``loader()`` decodes the raw blocks into QuantLinear's canonical W8 form at group size
+    ``GGUF_BLOCK``: (q int8 ``[out, in]``, the blocks' own values, scale float32 ``[out, in / 32]``,
+    the blocks' fp16 ``d``, None), in HF row order (llama's q/k rows un-permuted). Exact: ``q * d``
+    is gguf's ``d * q``."""
+    return _direct_weights(gguf_path, DIRECT_W8_TYPES, _decode_w8)
+
+
+def _direct_weights(gguf_path: Path, types: tuple[str, ...], decode) -> dict[str, tuple[str, Callable[[], tuple]]]:
     gguf_path = Path(gguf_path)
     reader = open_gguf(gguf_path)
     meta = _read_metadata(reader, gguf_path)
@@ -357,15 +374,32 @@ def direct_w4_weights(gguf_path: Path) -> dict[str, tuple[str, Callable[[], tupl
     out = {}
     for t, hf_name, shape, n_heads in _tensor_plan(reader, meta, config, gguf_path):
         qtype = t.tensor_type.name
-        if qtype not in DIRECT_W4_TYPES or not hf_name.endswith("_proj.weight") or len(shape) != 2:
+        if qtype not in types or not hf_name.endswith("_proj.weight") or len(shape) != 2:
             continue
 
         def load(t=t, qtype=qtype, shape=shape, n_heads=n_heads):
-            parts = _decode_w4(t.data, qtype, *shape)
+            parts = decode(t.data, qtype, *shape)
             return tuple(p if p is None or n_heads is None else _unpermute_rows(p, n_heads) for p in parts)
 
         out[hf_name] = (qtype, load)
     return out
+
+
+def _blocks(data: np.ndarray, qtype: str, rows: int, cols: int) -> np.ndarray:
+    """Raw blocks of a [rows, cols] tensor as uint8 [rows, cols / 32, block bytes]."""
+    nb = _BLOCK_BYTES[qtype]
+    if cols % GGUF_BLOCK or np.asarray(data).size != rows * cols // GGUF_BLOCK * nb:
+        raise ModelLoadError(f"{qtype} tensor data does not hold [{rows}, {cols}] weights")
+    return np.asarray(data, dtype=np.uint8).reshape(rows, cols // GGUF_BLOCK, nb)
+
+
+def _decode_w8(data: np.ndarray, qtype: str, rows: int, cols: int):
+    """Raw Q8_0 blocks of a [rows, cols] tensor -> (q, scale, None), see ``direct_w8_weights``. A
+    block: fp16 d, then the 32 int8 weights in order."""
+    b = _blocks(data, qtype, rows, cols)
+    d = np.ascontiguousarray(b[..., 0:2]).view("<f2")[..., 0].astype(np.float32)
+    q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, cols)
+    return q, d, None
 
 
 def _decode_w4(data: np.ndarray, qtype: str, rows: int, cols: int):
@@ -373,9 +407,7 @@ def _decode_w4(data: np.ndarray, qtype: str, rows: int, cols: int):
     ``direct_w4_weights``. A block: fp16 d (Q4_1: then fp16 m), then 16 bytes holding weight j in
     the low nibble of byte j and weight j + 16 in its high nibble."""
     nb = _BLOCK_BYTES[qtype]
-    if cols % GGUF_BLOCK or np.asarray(data).size != rows * cols // GGUF_BLOCK * nb:
-        raise ModelLoadError(f"{qtype} tensor data does not hold [{rows}, {cols}] weights")
-    b = np.asarray(data, dtype=np.uint8).reshape(rows, cols // GGUF_BLOCK, nb)
+    b = _blocks(data, qtype, rows, cols)
     d = np.ascontiguousarray(b[..., 0:2]).view("<f2")[..., 0].astype(np.float32)
     qs = b[..., nb - 16:]
     q = (np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - 8).reshape(rows, cols)

@@ -13,14 +13,20 @@ compressed-tensors layouts read (and written by ``appliance convert``):
 Integer weights per channel (8-bit) or per channel/group (4-bit); anything else is an error naming
 the field.
 
-A model directory converted from a GGUF (``gguf_loader``; it names its source file) loaded with
-``--quantization w4a8`` at group size 32 (the default, the GGUF block size) takes every projection
-whose tensors are Q4_0/Q4_1 straight from the GGUF's blocks (``gguf_loader.direct_w4_weights``):
-their float copies in the converted directory are never read, and nothing is re-quantized. A fused
-q/k/v or gate/up goes this way when all its shards do (Q4_0 and Q4_1 shards mix: both are group-32
-rows of the same form); otherwise, and for other types, other group sizes, ``w8a8`` (Q8_0's
-per-32 scales do not fit the per-channel W8 backends) or a GGUF that is gone or changed since the
-conversion, the layer is quantized from the float weights as for any float checkpoint.
+A model directory converted from a GGUF (``gguf_loader``; it names its source file) takes its projections
+straight from the GGUF's blocks where they line up with the requested scheme: their float copies in the
+converted directory are never read, and nothing is re-quantized.
+- ``--quantization w4a8`` at group size 32 (the default, the GGUF block size): Q4_0/Q4_1 tensors become
+  W4 group-32 layers (``gguf_loader.direct_w4_weights``).
+- ``--quantization w8a8``: Q8_0 tensors become W8 group-32 layers (``gguf_loader.direct_w8_weights``),
+  exactly, whatever ``quant_group_size`` says (W8 from float is per channel). Only the native W8A8
+  backend (``w8a8_native``) runs W8 groups, so this needs the native kernels built, and a
+  ``linear_backend`` forced to a per-channel one (``w8a8_onednn``, ``w8a16_int8pack``) keeps the
+  float route.
+A fused q/k/v or gate/up goes this way when all its shards do (Q4_0 and Q4_1 shards mix: both are
+group-32 rows of the same form); otherwise, and for other types, other group sizes or a GGUF that is
+gone or changed since the conversion, the layer is quantized from the float weights as for any float
+checkpoint.
 """
 from __future__ import annotations
 
@@ -134,15 +140,16 @@ def _ignored(module_name: str, ignore: tuple[str, ...]) -> bool:
 
 
 def load(info: ModelInfo, dtype: torch.dtype, device: torch.device, quantization: str = "none",
-         group_size: int = 32) -> torch.nn.Module:
-    """The model of ``info``, quantized as its checkpoint says or as ``quantization`` asks."""
+         group_size: int = 32, linear_backend: str = "auto") -> torch.nn.Module:
+    """The model of ``info``, quantized as its checkpoint says or as ``quantization`` asks
+    (``linear_backend``: the backend the engine will force, if any; see the module docstring)."""
     spec = parse_compressed_tensors(info.hf_config, str(info.path / "config.json"))
     if spec is None:
         if quantization == "none":
             return load_model(info, dtype, device)
         # quantized from the checkpoint's values in fp32 (not from a bf16 copy), as `convert` does;
-        # a converted GGUF's Q4 projections come straight from its blocks
-        src, direct = _gguf_direct(info, quantization, group_size)
+        # a converted GGUF's Q4 (w4a8) or Q8_0 (w8a8) projections come straight from its blocks
+        src, direct = _gguf_direct(info, quantization, group_size, linear_backend)
         model = _load_gguf_direct(info, quantization, src, direct, device) if direct else \
             load_model(info, torch.float32, device)
         try:
@@ -170,18 +177,27 @@ def _load_prequantized(info: ModelInfo, spec: QuantSpec, dtype: torch.dtype, dev
                            dtype, device, "quantization_config.config_groups", "config.json and quantization_config")
 
 
-def _gguf_direct(info: ModelInfo, scheme: str, group_size: int):
-    """(the GGUF ``info.path`` was converted from, {HF weight name: loader of its canonical W4
+def _gguf_direct(info: ModelInfo, scheme: str, group_size: int, linear_backend: str = "auto"):
+    """(the GGUF ``info.path`` was converted from, {HF weight name: loader of its canonical W4 or W8
     tensors}) for the projections that map straight to ``scheme`` at ``group_size`` (see the module
     docstring); the dict is empty for none."""
+    from appliance.layers import quant
     from appliance.models import gguf_loader
 
     src = gguf_loader.gguf_source(info.path)
     if src is None:
         return None, {}
-    if scheme != "w4a8":
-        log.info("%s: no GGUF type maps straight to per-channel %s; quantizing the dequantized weights", src, scheme)
-        return src, {}
+    if scheme == "w8a8":
+        if linear_backend in quant.BACKENDS["w8a8"] and linear_backend != "w8a8_native":
+            log.info("%s: linear_backend=%s takes per-channel W8 only, not Q8_0's groups of %d; quantizing the "
+                     "dequantized weights", src, linear_backend, gguf_loader.GGUF_BLOCK)
+            return src, {}
+        if not quant.backend_valid("w8a8_native", "w8a8", gguf_loader.GGUF_BLOCK, gguf_loader.GGUF_BLOCK,
+                                   gguf_loader.GGUF_BLOCK):
+            log.info("%s: the native kernels, the only W8 backend for Q8_0's groups of %d, are unavailable; "
+                     "quantizing the dequantized weights", src, gguf_loader.GGUF_BLOCK)
+            return src, {}
+        return src, {name: load for name, (_, load) in gguf_loader.direct_w8_weights(src).items()}
     if group_size != gguf_loader.GGUF_BLOCK:
         log.info("%s: GGUF Q4 blocks are groups of %d, quant_group_size is %d; quantizing the dequantized weights",
                  src, gguf_loader.GGUF_BLOCK, group_size)
@@ -218,25 +234,27 @@ def _load_gguf_direct(info: ModelInfo, scheme: str, src, direct: dict, device: t
                     yield src, f"{base}.weight_zero_point", torch.from_numpy(zp)
 
     model = _load_quantized(info, scheme, GGUF_BLOCK, keep_float, tensors, torch.float32, device,
-                            "quant_group_size", "config.json and the GGUF file")
+                            "quant_group_size", "config.json and the GGUF file", w8_groups=True)
     layers = [m for n, m in model.named_modules() if isinstance(m, (Linear, QuantLinear)) and n != "lm_head"]
-    log.info("%s: %d of %d projections taken straight from the GGUF's Q4 blocks; the others are quantized from "
-             "their dequantized weights", src, sum(isinstance(m, QuantLinear) for m in layers), len(layers))
+    log.info("%s: %d of %d projections taken straight from the GGUF's %s blocks; the others are quantized from "
+             "their dequantized weights", src, sum(isinstance(m, QuantLinear) for m in layers), len(layers),
+             "Q8_0" if scheme == "w8a8" else "Q4")
     return model
 
 
 def _load_quantized(info: ModelInfo, scheme: str, group_size: int | None, keep_float, tensors,
-                    dtype: torch.dtype, device: torch.device, group_field: str, what: str):
+                    dtype: torch.dtype, device: torch.device, group_field: str, what: str, w8_groups: bool = False):
     """The model with every Linear except those named by ``keep_float(model)`` an empty QuantLinear,
     filled from ``tensors(model)`` ((file, name, tensor) in the compressed-tensors names: int8
     ``weight``, or ``weight_packed``; ``weight_scale``; ``weight_zero_point``; float tensors as they
-    are). For errors: ``group_field`` names where the group size comes from, ``what`` the shapes."""
+    are). For errors: ``group_field`` names where the group size comes from, ``what`` the shapes.
+    ``w8_groups``: W8 layers at ``group_size`` (GGUF Q8_0), not per channel."""
     from appliance.models.registry import build_model
 
     with torch.device("meta"):
         model = build_model(info.architecture, info.hf_config)
         try:
-            swap_to_quant(model, scheme, group_size, skip=keep_float(model) + ("lm_head",))
+            swap_to_quant(model, scheme, group_size, skip=keep_float(model) + ("lm_head",), w8_groups=w8_groups)
         except ValueError as e:
             raise ModelLoadError(f"{info.path}: {group_field}: {e}") from e
     model = model.to_empty(device=device)

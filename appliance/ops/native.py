@@ -384,6 +384,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gemm_w8g_a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, wsum: torch.Tensor, n: int, group: int,
+                has_m128: bool) -> torch.Tensor:
+    """W8A8 with group-wise weight scales: x [M, K] float32 -> [M, n] float32, over weights packed by
+    ``appliance.layers.quant.pack("w8a8_native", ...)`` (layout: ``W8GArgs`` in
+    native/neon_sve/include/appliance_kernels.h). No reference fallback: the backend is offered only
+    when the extension is available."""
+    return _require().gemm_w8g_a8(x, w, scale, wsum, n, group, has_m128)
+
+
 def _main(argv: list[str] | None = None) -> int:
     import argparse
 

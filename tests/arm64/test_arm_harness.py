@@ -76,10 +76,13 @@ def test_harness_under_qemu(arm_build, profile):
     failures = [line for line in r.stdout.splitlines() if line.startswith("FAIL")]
     assert r.returncode == 0 and "RESULT: OK" in r.stdout, (
         f"profile {profile} (rc {r.returncode}):\n" + "\n".join(failures) + r.stdout[-3000:] + r.stderr[-2000:])
-    # Every variant was compared with generic on attention (bf16 caches included).
+    # Every variant was compared with generic on attention (bf16 caches included), and ran the W8A8
+    # group-scale GEMM against its double-precision reference (SDOT where the CPU has dotprod: all
+    # four profiles here; SMMLA for token pairs where it has I8MM: all but n1).
     for v in variants.split(","):
         if v != "generic":
             assert re.search(rf"^PASS {v}\s+attn .*kv:bf16", r.stdout, re.M), v
+        assert len(re.findall(rf"^PASS {v}\s+w8g ", r.stdout, re.M)) == 4, v
 
 
 def disassemble(obj: Path) -> str:
@@ -100,6 +103,15 @@ def test_sve_build_contains_sve(arm_build):
     text = disassemble(arm_build / "kernels_sve.o")
     assert len(SVE_INSN.findall(text)) >= 20
     assert re.search(r"\tld1h\s+\{z\d+\.s\}", text)  # bf16 cache widened by LD1H
+
+
+def test_arm_variants_contain_sdot_and_smmla(arm_build):
+    """gemm_w8g_a8's inner products are SDOT (by-element form) and SMMLA in every Arm variant (run only
+    when the CPU reports dotprod / i8mm; see native/neon_sve/src/neon/w8g_neon.inc)."""
+    for name in ("kernels_neon.o", "kernels_neon_bf16.o", "kernels_sve.o"):
+        text = disassemble(arm_build / name)
+        assert len(re.findall(r"\tsdot\s+v\d+\.4s, v\d+\.16b, v\d+\.4b\[\d\]", text)) >= 16, name
+        assert len(re.findall(r"\tsmmla\s+v\d+\.4s, v\d+\.16b, v\d+\.16b", text)) >= 8, name
 
 
 def test_baseline_objects_have_no_sve_or_bf16(arm_build):

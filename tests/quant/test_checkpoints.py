@@ -24,7 +24,7 @@ def _greedy(llm):
     return [o.outputs[0].token_ids for o in llm.generate([IDS[:9], IDS[5:30]], GREEDY)]
 
 
-@pytest.mark.parametrize("scheme,backend", [("w8a8", "w8a8_onednn"), ("w8a8", "w8a16_int8pack"),
+@pytest.mark.parametrize("scheme,backend", [("w8a8", "w8a8_onednn"), ("w8a8", "w8a16_int8pack"), ("w8a8", "w8a8_native"),
                                             ("w4a8", "w4a8_dynquant"), ("w4a8", "w4a16_int4pack")])
 def test_convert_round_trip_identical(tiny_model_dir, tmp_path, scheme, backend):
     src = tiny_model_dir("qwen2")  # q/k/v biases ride along unquantized

@@ -2,8 +2,8 @@
 close to float on a held-out English text written for these tests (tests/quant/data/heldout_en.txt,
 never seen by the model's authors) and agree with float's greedy continuations.
 
-The activation-quantizing backends are forced (w8a8_onednn, w4a8_dynquant: the math KleidiAI runs on
-Arm), so the bounds hold for the int8-activation numerics whatever `auto` would pick on this host.
+The activation-quantizing backends are forced (w8a8_onednn and w8a8_native, w4a8_dynquant: the math
+KleidiAI runs on Arm), so the bounds hold for the int8-activation numerics whatever `auto` would pick on this host.
 On x86, torch's `_dyn_quant_matmul_4bit` is a slow scalar fallback (minutes for this text), so there
 the W4A8 layers run the same math as an fp32 emulation (dequantized weights, the same per-token
 asymmetric int8 activations); test_kernels.py holds the real kernel to that math per shape."""
@@ -33,11 +33,12 @@ PROMPTS = [
     "In the middle of the night, the old house", "Machine learning is a field of",
 ]
 CONFIGS = {"float": {}, "w8a8": {"quantization": "w8a8", "linear_backend": "w8a8_onednn"},
+           "w8a8_native": {"quantization": "w8a8", "linear_backend": "w8a8_native"},
            "w4a8": {"quantization": "w4a8", "linear_backend": "w4a8_dynquant"},
            # the weight-only routes `auto` may pick on x86 (bf16 activations)
            "w8a16": {"quantization": "w8a8", "linear_backend": "w8a16_int8pack"},
            "w4a16": {"quantization": "w4a8", "linear_backend": "w4a16_int4pack"}}
-BOUNDS = {"w8a8": (1.03, 0.90), "w4a8": (1.12, 0.75), "w8a16": (1.03, 0.90), "w4a16": (1.12, 0.75)}  # (perplexity ratio at most, agreement at least)
+BOUNDS = {"w8a8": (1.03, 0.90), "w8a8_native": (1.03, 0.90), "w4a8": (1.12, 0.75), "w8a16": (1.03, 0.90), "w4a16": (1.12, 0.75)}  # (perplexity ratio at most, agreement at least)
 
 
 def _logprob(v) -> float:
@@ -123,7 +124,7 @@ def _prefix_agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / sum(len(x) for x in a)
 
 
-@pytest.mark.parametrize("scheme", ["w8a8", "w4a8", "w8a16", "w4a16"])
+@pytest.mark.parametrize("scheme", ["w8a8", "w8a8_native", "w4a8", "w8a16", "w4a16"])
 def test_quantized_close_to_float(results, scheme):
     ppl_f, greedy_f, _ = results["float"]
     ppl_q, greedy_q, agree = results[scheme]

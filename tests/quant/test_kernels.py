@@ -70,6 +70,17 @@ def test_gguf_block_scales_match_reference(backend):
     _assert_matches_reference(backend, qw, d.abs(), zp)
 
 
+def test_gguf_q8_0_block_scales_match_reference():
+    """W8 as a GGUF's Q8_0 blocks load: group 32, fp16 scales (negative ones too), every int8 value
+    including -128. Only w8a8_native takes W8 groups (per-variant checks: tests/ops/test_w8g_gemm.py)."""
+    n, k = 960, 576
+    g = torch.Generator().manual_seed(4)
+    qw = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    d = (torch.randn(n, k // 32, generator=g) * 0.004).half().float()
+    assert [b for b in quant.BACKENDS["w8a8"] if quant.backend_valid(b, "w8a8", n, k, 32)] == ["w8a8_native"]
+    _assert_matches_reference("w8a8_native", qw, d, None)
+
+
 def _assert_matches_reference(backend, qw, s, zp):
     n, k = qw.shape
     bias = torch.randn(n) * 0.1
@@ -91,7 +102,7 @@ def _assert_matches_reference(backend, qw, s, zp):
             assert (got.double() - (x.double() @ quant.dequantize(qw, s, zp).t() + bias)).abs().max() > tol
 
 
-@pytest.mark.parametrize("backend", ["w8a16_int8pack", "w4a16_int4pack", "w8a8_onednn", "w4a8_dynquant"])
+@pytest.mark.parametrize("backend", ["w8a16_int8pack", "w4a16_int4pack", "w8a8_onednn", "w8a8_native", "w4a8_dynquant"])
 def test_bf16_activations(backend):
     n, k = 256, 512
     scheme = "w8a8" if backend.startswith("w8") else "w4a8"

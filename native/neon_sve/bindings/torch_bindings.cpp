@@ -137,6 +137,35 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, tor
                          (int)key.size(1), (int)key.size(2), (int)key_cache.size(2));
 }
 
+// W8A8 with group-wise weight scales over weights packed by appliance/layers/quant.py (w8a8_native).
+torch::Tensor gemm_w8g_a8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
+                          const torch::Tensor& wsum, int64_t n, int64_t group, bool has_m128) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "gemm_w8g_a8: x contiguous float32 [M, K]");
+  const int64_t m = x.size(0), k = x.size(1), tiles = (n + 15) / 16;
+  TORCH_CHECK(group % 32 == 0 && group <= 256 && k % group == 0, "gemm_w8g_a8: group must be a multiple of 32, <= 256, dividing K");
+  TORCH_CHECK(w.scalar_type() == torch::kInt8 && w.is_contiguous() && w.numel() == tiles * 16 * k,
+              "gemm_w8g_a8: w int8 [ceil(N/16), K/4, 16, 4]");
+  for (const auto* t : {&scale, &wsum})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->numel() == tiles * (k / group) * 16,
+                "gemm_w8g_a8: scale/wsum float32 [ceil(N/16), K/G, 16]");
+  auto out = torch::empty({m, n}, x.options());
+  ak::W8GArgs a{};
+  a.x = x.data_ptr<float>();
+  a.M = m;
+  a.K = k;
+  a.N = n;
+  a.w = w.data_ptr<int8_t>();
+  a.scale = scale.data_ptr<float>();
+  a.wsum = wsum.data_ptr<float>();
+  a.group = (int)group;
+  a.has_m128 = has_m128;
+  a.out = out.data_ptr<float>();
+  if (m > 0 && n > 0) K()->gemm_w8g_a8(a);
+  return out;
+}
+
+bool cpu_has(const std::string& name) { return ak::cpu_has(name.c_str()); }
+
 std::string kernel_variant() { return K()->name; }
 
 std::vector<std::string> available_variants() {
@@ -162,6 +191,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding_", &rotary_embedding_);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("reshape_and_cache", &reshape_and_cache);
+  m.def("gemm_w8g_a8", &gemm_w8g_a8);
+  m.def("cpu_has", &cpu_has);
   m.def("kernel_variant", &kernel_variant);
   m.def("available_variants", &available_variants);
   m.def("set_variant", &set_variant);

@@ -29,7 +29,7 @@ int sve_vector_bits();  // 0 when not built for / not running on SVE
 namespace {
 
 struct Features {
-  bool avx2 = false, fma = false, avx512 = false, avx512bf16 = false;
+  bool avx2 = false, fma = false, avx512 = false, avx512bf16 = false, avx512vnni = false;
   bool neon = false, dotprod = false, sve = false, bf16 = false, i8mm = false;
   int sve_bits = 0;
   std::string text;
@@ -45,8 +45,10 @@ const Features& features() {
     f.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
     f.avx512bf16 = f.avx512 && __builtin_cpu_supports("avx512bf16");
+    f.avx512vnni = f.avx512 && __builtin_cpu_supports("avx512vnni");
     f.text = std::string("x86_64") + (f.avx2 ? " avx2" : "") + (f.fma ? " fma" : "") +
-             (f.avx512 ? " avx512f/bw/dq/vl" : "") + (f.avx512bf16 ? " avx512_bf16" : "");
+             (f.avx512 ? " avx512f/bw/dq/vl" : "") + (f.avx512bf16 ? " avx512_bf16" : "") +
+             (f.avx512vnni ? " avx512_vnni" : "");
 #elif defined(__aarch64__) && defined(__linux__)
     const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
     f.neon = (hw & (1UL << 1)) != 0;      // HWCAP_ASIMD
@@ -141,5 +143,13 @@ const KernelTable* find_kernels(const char* name) {
 }
 
 const char* cpu_features_string() { return features().text.c_str(); }
+
+bool cpu_has(const char* feature) {
+  const Features& f = features();
+  if (std::strcmp(feature, "avx512_vnni") == 0) return f.avx512vnni;
+  if (std::strcmp(feature, "dotprod") == 0) return f.dotprod;
+  if (std::strcmp(feature, "i8mm") == 0) return f.i8mm;
+  return false;
+}
 
 }  // namespace appliance_kernels

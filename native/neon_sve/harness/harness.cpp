@@ -2,8 +2,9 @@
 // aarch64 under qemu (tests/arm64). Holds every variant the CPU supports against the generic
 // version (and the generic attention against a naive double-precision one) on attention
 // (decode, prefill, chunked prefill, mixed batches; GQA 1/4/8; fp32 and bf16 caches; several
-// head and block sizes), reshape_and_cache, RMSNorm, fused add+RMSNorm, rotary, SiLU-and-mul and
-// the polynomial exp's error bound.
+// head and block sizes), reshape_and_cache, RMSNorm, fused add+RMSNorm, rotary, SiLU-and-mul,
+// the polynomial exp's error bound, and the W8A8 group-scale GEMM (every variant, generic included,
+// against a double-precision reference of its quantized math).
 //
 //   harness [--expect-variants a,b,c] [--expect-selected name]
 // Prints one line per check and "RESULT: OK" (exit 0) or "RESULT: FAIL" (exit 1).
@@ -374,6 +375,71 @@ void check_rows(const std::vector<const KernelTable*>& variants) {
   }
 }
 
+// ------------------------------------------------------------------------------------------
+// W8A8 GEMM with group-wise weight scales (gemm_w8g_a8) against a double-precision reference of
+// the same quantized math (activations quantized per token as the kernel's contract says).
+
+void check_w8g(const std::vector<const KernelTable*>& variants) {
+  struct Case { int M, N, K, G; bool m128; };
+  // decode and prefill rows (Arm I8MM: token pairs by SMMLA, a lone token by SDOT); odd N; K not a
+  // multiple of 64; q == -128 (the portable loop on x86 AVX2)
+  const Case cases[] = {{1, 37, 96, 32, false}, {5, 40, 160, 32, true}, {9, 64, 576, 64, false}, {2, 17, 256, 256, false}};
+  Rng rng(7);
+  for (const Case& c : cases) {
+    const int tiles = (c.N + 15) / 16, groups = c.K / c.G;
+    std::vector<int8_t> q((size_t)c.N * c.K);
+    std::vector<float> sc((size_t)c.N * groups), x((size_t)c.M * c.K);
+    for (auto& v : q) v = (int8_t)((int)(rng.next() % 255) - 127);
+    if (c.m128) q[3] = q[c.K + 5] = -128;
+    for (auto& v : sc) v = 1e-3f + 0.01f * rng.uniform();
+    for (int m = 0; m < c.M; ++m)
+      for (int k = 0; k < c.K; ++k) x[(size_t)m * c.K + k] = 2 * rng.normal() + (k == 0 ? 3.f : 0.f);
+    // pack (appliance_kernels.h, W8GArgs)
+    std::vector<int8_t> w((size_t)tiles * 16 * c.K, 0);
+    std::vector<float> ps((size_t)tiles * groups * 16, 0.f), pw((size_t)tiles * groups * 16, 0.f);
+    for (int n = 0; n < c.N; ++n) {
+      const int t = n / 16, r = n % 16;
+      for (int k = 0; k < c.K; ++k) w[(((size_t)t * (c.K / 4) + k / 4) * 16 + r) * 4 + k % 4] = q[(size_t)n * c.K + k];
+      for (int g = 0; g < groups; ++g) {
+        int sum = 0;
+        for (int k = g * c.G; k < (g + 1) * c.G; ++k) sum += q[(size_t)n * c.K + k];
+        ps[((size_t)t * groups + g) * 16 + r] = sc[(size_t)n * groups + g];
+        pw[((size_t)t * groups + g) * 16 + r] = (float)sum;
+      }
+    }
+    // reference: xq = clamp(round(x / s) + zp), then sum_g scale * sum (xq - zp) q in double
+    std::vector<float> ref((size_t)c.M * c.N);
+    double mx = 0;
+    for (int m = 0; m < c.M; ++m) {
+      const float* xr = x.data() + (size_t)m * c.K;
+      float lo = 0.f, hi = 0.f;
+      for (int k = 0; k < c.K; ++k) lo = std::min(lo, xr[k]), hi = std::max(hi, xr[k]);
+      const float s = std::max((hi - lo) / 255.f, 1e-12f);
+      const float zp = std::min(127.f, std::max(-128.f, std::nearbyint(-128.f - lo / s)));
+      for (int n = 0; n < c.N; ++n) {
+        double acc = 0;
+        for (int k = 0; k < c.K; ++k) {
+          const float xq = std::min(127.f, std::max(-128.f, std::nearbyint(xr[k] / s) + zp));
+          acc += (double)(xq - zp) * q[(size_t)n * c.K + k] * sc[(size_t)n * groups + k / c.G];
+        }
+        ref[(size_t)m * c.N + n] = (float)(acc * s);
+        mx = std::max(mx, std::fabs(acc * s));
+      }
+    }
+    const double tol = 2e-5 * mx * std::sqrt(c.K / 576.0) + 1e-6;
+    for (const KernelTable* kt : variants) {
+      std::vector<float> out((size_t)c.M * c.N, -1.f);
+      W8GArgs a{x.data(), c.M, c.K, c.N, w.data(), ps.data(), pw.data(), c.G, c.m128, out.data()};
+      kt->gemm_w8g_a8(a);
+      double err;
+      char what[96];
+      std::snprintf(what, sizeof what, "w8g M=%d N=%d K=%d G=%d%s", c.M, c.N, c.K, c.G, c.m128 ? " q=-128" : "");
+      const bool ok = close_enough(out, ref, tol, 0, &err);  // before reading err
+      report(ok, kt->name, what, err);
+    }
+  }
+}
+
 std::vector<std::string> split(const char* s) {
   std::vector<std::string> out;
   std::string cur;
@@ -416,6 +482,7 @@ int main(int argc, char** argv) {
   check_exp(variants);
   check_rows(variants);
   check_attention(variants);
+  check_w8g(variants);
   std::printf("checks: %d, failures: %d\nRESULT: %s\n", g_checks, g_failures, g_failures ? "FAIL" : "OK");
   return g_failures ? 1 : 0;
 }

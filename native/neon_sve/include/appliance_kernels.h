@@ -39,6 +39,28 @@ struct AttentionArgs {
   float scale;
 };
 
+// W8A8 GEMM with group-wise weight scales (gemm_w8g_a8). Weights are prepacked once
+// (appliance/layers/quant.py, backend w8a8_native) into a layout shared by every variant:
+//   w     int8  [ceil(N/16)][K/4][16][4]: tile t, k step s, row r, byte j = q[16t + r, 4s + j]
+//         (rows past N are zero);
+//   scale fp32  [ceil(N/16)][K/G][16]: the group's weight scale (0 past N);
+//   wsum  fp32  [ceil(N/16)][K/G][16]: the group's integer sum of q (exact in fp32).
+// Activations are quantized per token inside the kernel, exactly as quant._quant_act does
+// (asymmetric int8: xq = clamp(round(x / s) + zp, -128, 127)). Then, per token m and row n,
+//   out[m, n] = s[m] * sum_g scale[n, g] * (sum_{k in g} xq[m, k] q[n, k] - zp[m] wsum[n, g])
+// where the bracket is exact integer arithmetic (int32, then exact in fp32: |.| < 2^24 for
+// G <= 256) and the sum over groups is fp32.
+struct W8GArgs {
+  const float* x;       // [M, K] fp32, contiguous
+  int64_t M, K, N;      // K % G == 0
+  const int8_t* w;
+  const float* scale;
+  const float* wsum;
+  int group;            // G: a multiple of 32, at most 256
+  bool has_m128;        // some q == -128 (the AVX2 sign trick cannot take it: exact fallback)
+  float* out;           // [M, N] fp32, contiguous
+};
+
 struct KernelTable {
   const char* name;
   // Causal paged attention, semantics of reference.paged_attention.
@@ -65,6 +87,8 @@ struct KernelTable {
                             void* key_cache, void* value_cache, int cache_dtype,
                             const int64_t* slot_mapping, int64_t num_tokens, int num_kv_heads,
                             int head_size, int block_size);
+  // W8A8 GEMM with group-wise weight scales (see W8GArgs).
+  void (*gemm_w8g_a8)(const W8GArgs& a);
 };
 
 // The variant chosen for this process: the best the CPU supports, or APPLIANCE_KERNELS
@@ -78,6 +102,9 @@ bool select_kernels(const char* name);
 int available_kernels(const KernelTable** out, int max);
 // A variant by name, or nullptr if unknown or not supported on this CPU.
 const KernelTable* find_kernels(const char* name);
+// Whether the CPU has an optional feature a variant uses inside one kernel: "avx512_vnni"
+// (x86), "dotprod", "i8mm" (Arm). Unknown names: false.
+bool cpu_has(const char* feature);
 // Short text describing the detected CPU features (for logs and `appliance doctor`).
 const char* cpu_features_string();
 

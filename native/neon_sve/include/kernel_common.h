@@ -73,6 +73,39 @@ class FloatBuf {
   float* p_;
 };
 
+// One work item of gemm_w8g_a8 (kernels_impl.h): a tile of 16 weight rows (packed, see W8GArgs)
+// against T <= 8 quantized tokens. x holds the tokens' K int8 values each, offset by `bias`
+// (0: int8 xq; 128: uint8 xq + 128); corr[t] = zp[t] + bias, so that for every group
+// sum_k (x - corr) q = sum_k (xq - zp) q. Result: out[t * ldo + r] for r < rows.
+struct W8GBlock {
+  const uint8_t* x;
+  int64_t K;
+  int T;
+  const float* corr;
+  const float* sx;
+  const int8_t* w;      // the tile: [K/4][16][4]
+  const float* scale;   // [K/G][16]
+  const float* wsum;    // [K/G][16]
+  int G;
+  float* out;
+  int64_t ldo;
+  int rows;
+  bool has_m128;        // some q == -128 in the weights
+};
+
+// Bytes of zeroed scratch (gemm_w8g_a8's quantized activations); baseline-compiled like FloatBuf.
+class ByteBuf {
+ public:
+  explicit ByteBuf(size_t n) : p_(static_cast<uint8_t*>(std::calloc(n ? n : 1, 1))) {}
+  ~ByteBuf() { std::free(p_); }
+  ByteBuf(const ByteBuf&) = delete;
+  ByteBuf& operator=(const ByteBuf&) = delete;
+  uint8_t* data() { return p_; }
+
+ private:
+  uint8_t* p_;
+};
+
 inline int max_threads() {
 #ifdef _OPENMP
   return omp_get_max_threads();

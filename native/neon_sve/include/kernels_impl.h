@@ -15,6 +15,10 @@
 //                                    int n, int D);
 //       A[r] += sum_j P[r * lds + j] * V[j] for r < M.
 //   void exp_vec(float* x, int64_t n);    x[i] = exp(x[i]) (polynomial, kernel_common.h bound)
+//   int w8g_act_bias();                     how gemm_w8g_a8 stores quantized activations: 0 as
+//       int8 xq, 128 as uint8 xq + 128 (VNNI's u8 x s8 product); see W8GBlock.
+//   bool w8g_block_fast(const W8GBlock& b); one W8A8 work item with the variant's integer dot
+//       products; false leaves it to the portable loop below (w8g_block_scalar).
 //   #define AK_VARIANT_NAME "..."
 //
 // Work split of paged attention: items are (sequence, kv head, query tile, context partition).
@@ -417,10 +421,91 @@ static void reshape_and_cache(const void* key, const void* value, int in_dtype,
   }
 }
 
+// ------------------------------------------------------------------ W8A8, group-wise weight scales
+
+// The portable W8A8 work item: every variant's fallback and the generic variant's kernel.
+static void w8g_block_scalar(const W8GBlock& b, int bias) {
+  const int64_t groups = b.K / b.G;
+  for (int t = 0; t < b.T; ++t) {
+    const uint8_t* x = b.x + (int64_t)t * b.K;
+    float acc[16] = {0};
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t s[16] = {0};
+      for (int64_t k4 = g * b.G / 4; k4 < (g + 1) * b.G / 4; ++k4) {
+        const int8_t* w = b.w + k4 * 64;
+        for (int j = 0; j < 4; ++j) {
+          const int32_t xv = bias ? (int32_t)x[4 * k4 + j] : (int32_t)(int8_t)x[4 * k4 + j];
+          for (int r = 0; r < 16; ++r) s[r] += xv * (int32_t)w[r * 4 + j];
+        }
+      }
+      const float* sc = b.scale + g * 16;
+      const float* ws = b.wsum + g * 16;
+      for (int r = 0; r < 16; ++r) acc[r] += sc[r] * ((float)s[r] - b.corr[t] * ws[r]);  // exact bracket
+    }
+    for (int r = 0; r < b.rows; ++r) b.out[(int64_t)t * b.ldo + r] = b.sx[t] * acc[r];
+  }
+}
+
+// Per-token asymmetric int8, bit for bit quant._quant_act (torch rounds half to even, as
+// nearbyint does in the default rounding mode; the divisions are IEEE fp32 in both).
+static void w8g_quant_row(const float* x, int64_t K, int bias, uint8_t* q, float* corr, float* sx) {
+  float mn = 0.f, mx = 0.f;
+  for (int64_t k = 0; k < K; ++k) {
+    mn = std::min(mn, x[k]);
+    mx = std::max(mx, x[k]);
+  }
+  const float s = std::max((mx - mn) / 255.f, 1e-12f);
+  const float zp = std::min(127.f, std::max(-128.f, std::nearbyint(-128.f - mn / s)));
+  const int32_t zpi = (int32_t)zp;
+  // |x / s| <= 255: the conversion cannot overflow. The clamp is on integers: with a float clamp
+  // feeding the byte store, GCC 12's SVE code gave wrong bytes at 256/512-bit vectors (qemu V1).
+  for (int64_t k = 0; k < K; ++k) {
+    const int32_t v = (int32_t)std::nearbyint(x[k] / s) + zpi;
+    q[k] = (uint8_t)((v < -128 ? -128 : (v > 127 ? 127 : v)) + bias);
+  }
+  *corr = zp + (float)bias;
+  *sx = s;
+}
+
+constexpr int kW8GTokens = 8;
+
+static void gemm_w8g_a8(const W8GArgs& a) {
+  const int bias = w8g_act_bias();
+  const int64_t M = a.M, K = a.K, N = a.N;
+  ByteBuf xq((size_t)(M * K));
+  FloatBuf corr((size_t)M), sx((size_t)M);
+#pragma omp parallel for schedule(static) if (M * K > (1 << 15))
+  for (int64_t m = 0; m < M; ++m)
+    w8g_quant_row(a.x + m * K, K, bias, xq.data() + m * K, corr.data() + m, sx.data() + m);
+  const int64_t tiles = (N + 15) / 16, blocks = (M + kW8GTokens - 1) / kW8GTokens;
+  const int64_t groups = K / a.group;
+  // Items: (tile, token block), tiles outer: a thread's static share is a run of whole tiles,
+  // whose weights stay in cache across its token blocks.
+#pragma omp parallel for schedule(static) if (tiles * blocks > 1 && M * N * K > (1 << 16))
+  for (int64_t i = 0; i < tiles * blocks; ++i) {
+    const int64_t tile = i / blocks, m0 = (i % blocks) * kW8GTokens;
+    W8GBlock b;
+    b.x = xq.data() + m0 * K;
+    b.K = K;
+    b.T = (int)std::min<int64_t>(kW8GTokens, M - m0);
+    b.corr = corr.data() + m0;
+    b.sx = sx.data() + m0;
+    b.w = a.w + tile * 16 * K;
+    b.scale = a.scale + tile * groups * 16;
+    b.wsum = a.wsum + tile * groups * 16;
+    b.G = a.group;
+    b.out = a.out + m0 * N + tile * 16;
+    b.ldo = N;
+    b.rows = (int)std::min<int64_t>(16, N - tile * 16);
+    b.has_m128 = a.has_m128;
+    if (!w8g_block_fast(b)) w8g_block_scalar(b, bias);
+  }
+}
+
 }  // namespace impl
 
 static const KernelTable kTable = {
     AK_VARIANT_NAME,        impl::paged_attention,  impl::exp_inplace,
     impl::rms_norm,         impl::fused_add_rms_norm, impl::rotary_embedding,
-    impl::silu_and_mul,     impl::reshape_and_cache,
+    impl::silu_and_mul,     impl::reshape_and_cache, impl::gemm_w8g_a8,
 };

@@ -6,6 +6,7 @@ namespace appliance_kernels {
 namespace generic {
 
 using common::bf16_to_f32;
+using common::W8GBlock;
 
 static inline float ld(const float* p, int i) { return p[i]; }
 static inline float ld(const uint16_t* p, int i) { return bf16_to_f32(p[i]); }
@@ -42,6 +43,9 @@ static void pv_tile(float* A, int M, const float* P, int lds, const KT* V, int n
 static inline void exp_vec(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = common::exp_scalar(x[i]);
 }
+
+static inline int w8g_act_bias() { return 0; }
+static inline bool w8g_block_fast(const W8GBlock&) { return false; }  // the portable loop
 
 #define AK_VARIANT_NAME "generic"
 #include "kernels_impl.h"

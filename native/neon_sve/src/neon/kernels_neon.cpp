@@ -1,4 +1,6 @@
-// Arm NEON variant: the armv8-a baseline every Neoverse core runs (N1 included).
+// Arm NEON variant: the armv8-a baseline every Neoverse core runs (N1 included). gemm_w8g_a8 adds
+// SDOT / SMMLA functions (w8g_neon.inc, their own target), run only when the CPU reports
+// dotprod / i8mm.
 #include "kernel_common.h"
 
 #if defined(__aarch64__)
@@ -21,6 +23,8 @@ template <class KT>
 static inline void pv_tile(float* A, int M, const float* P, int lds, const KT* V, int n, int D) {
   pv_tile_fma(A, M, P, lds, V, n, D);
 }
+
+#include "w8g_neon.inc"
 
 #define AK_VARIANT_NAME "neon"
 #include "kernels_impl.h"

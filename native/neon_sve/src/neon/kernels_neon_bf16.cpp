@@ -144,6 +144,8 @@ static inline void pv_tile(float* A, int M, const float* P, int lds, const KT* V
     pv_tile_fma(A, M, P, lds, V, n, D);
 }
 
+#include "w8g_neon.inc"
+
 #define AK_VARIANT_NAME "neon_bf16"
 #include "kernels_impl.h"
 #undef AK_VARIANT_NAME

@@ -5,6 +5,8 @@
 
 #if defined(__aarch64__)
 
+#include <arm_neon.h>
+
 #pragma GCC push_options
 #pragma GCC target("arch=armv8.2-a+sve")
 #include <arm_sve.h>
@@ -146,6 +148,8 @@ static inline void exp_vec(float* x, int64_t n) {
 }
 
 static int vector_bits() { return (int)svcntw() * 32; }
+
+#include "w8g_neon.inc"
 
 #define AK_VARIANT_NAME "sve"
 #include "kernels_impl.h"

@@ -139,6 +139,10 @@ static inline void exp_vec(float* x, int64_t n) {
   }
 }
 
+#define AK_W8G_VNNI 0
+#include "w8g_x86.inc"
+#undef AK_W8G_VNNI
+
 #define AK_VARIANT_NAME "avx2"
 #include "kernels_impl.h"
 #undef AK_VARIANT_NAME

@@ -1,4 +1,6 @@
 // x86-64 AVX512F (+DQ/BW/VL) variant (Skylake-SP and later). head_size must be a multiple of 16.
+// gemm_w8g_a8 runs VPDPBUSD (w8g_x86.inc, its own target) only when the CPU has AVX512-VNNI,
+// else AVX2's VPMADDUBSW route.
 #include "kernel_common.h"
 
 #if defined(__x86_64__)
@@ -13,6 +15,10 @@ namespace avx512 {
 #define AK_DPBF16 0
 #include "avx512_prims.inc"
 #undef AK_DPBF16
+
+#define AK_W8G_VNNI 1
+#include "w8g_x86.inc"
+#undef AK_W8G_VNNI
 
 #define AK_VARIANT_NAME "avx512"
 #include "kernels_impl.h"
