@@ -342,8 +342,8 @@ class OpenAIServing:
                     text = texts[i] + text
                     tok_ids = list(ids) + tok_ids
                     lps = list(d.prompt_logprobs or [None] * len(ids)) + lps
-                if not text and c.finish_reason is None and req.logprobs is None:
-                    continue
+                if not text and not tok_ids and c.finish_reason is None:
+                    continue  # nothing new (a chunk per new token even when its text is held back, as vLLM)
                 lp = None
                 if req.logprobs is not None:
                     lp = self._completion_logprobs(tok_ids, lps, offsets[i][c.index])
@@ -421,8 +421,8 @@ class OpenAIServing:
             out = []
             for c in d.choices:
                 completion_tokens += len(c.token_ids)
-                if not c.text and c.finish_reason is None and not req.logprobs:
-                    continue
+                if not c.text and not c.token_ids and c.finish_reason is None:
+                    continue  # nothing new (a chunk per new token even when its text is held back, as vLLM)
                 delta = {"content": c.text} if c.text or c.finish_reason is None else {}
                 lp = {"content": self._chat_logprobs(c.token_ids, c.logprobs or [], k)} if req.logprobs else None
                 out.append({"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason,

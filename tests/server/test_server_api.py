@@ -404,3 +404,20 @@ def test_openai_client_sees_errors_and_server_keeps_serving(client):
         client.completions.create(model=NAME, prompt="x", stream=True, n=0)
     r = client.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_stream_sends_a_chunk_per_token_even_without_text(client, tok, endpoint):
+    """Like vLLM, a token whose text is held back (half a UTF-8 character) or empty (an id the
+    tokenizer decodes to nothing) still gets its chunk, so a client's time to first token is the
+    time to the first token, not to the first printable text."""
+    kw = dict(model=NAME, max_tokens=24, temperature=1.0, seed=7, stream=True,
+              stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    if endpoint == "completions":
+        chunks = list(client.completions.create(prompt=PROMPT, **kw))
+    else:
+        chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": PROMPT}], **kw))
+        chunks = chunks[1:]  # the role delta
+    usage = chunks[-1].usage
+    token_chunks = [c for c in chunks if c.choices]
+    assert usage.completion_tokens == 24 and len(token_chunks) == 24
