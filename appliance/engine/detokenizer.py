@@ -73,11 +73,15 @@ class IncrementalDetokenizer:
             self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
             self.stopped_by = s
 
-    def visible_text(self, finished: bool) -> str:
-        """Text safe to show: while running, hold back a tail that could begin a stop string."""
+    def visible_len(self, finished: bool) -> int:
+        """Characters of ``text`` safe to show: while running, a tail that could begin a stop string
+        is held back."""
         if finished or self.stopped_by is not None or self.max_stop_len <= 1:
-            return self.text
-        return self.text[: max(0, len(self.text) - (self.max_stop_len - 1))]
+            return len(self.text)
+        return max(0, len(self.text) - (self.max_stop_len - 1))
+
+    def visible_text(self, finished: bool) -> str:
+        return self.text[: self.visible_len(finished)]
 
 
 class ChoiceText:
@@ -135,7 +139,7 @@ class ChoiceText:
         return self.detok.visible_text(self.finished)
 
     def new_text(self) -> str:
-        """The text not handed out before."""
-        t = self.text
-        out, self._sent = t[self._sent:], len(t)
+        """The text not handed out before (per token: copies only the new characters)."""
+        end = self.detok.visible_len(self.finished)
+        out, self._sent = self.detok.text[self._sent:end], max(self._sent, end)
         return out
