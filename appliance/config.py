@@ -14,7 +14,7 @@ from appliance.errors import InvalidRequestError
 
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "native", "reference")
-LINEAR_BACKENDS = ("auto", "torch", "onednn",  # float; then quantized (appliance/layers/quant.py)
+LINEAR_BACKENDS = ("auto", "torch", "onednn", "native",  # float; then quantized (appliance/layers/quant.py)
                    "w8a8_onednn", "w8a8_native", "w8a16_int8pack", "w4a8_dynquant", "w4a16_int4pack")
 QUANTIZATIONS = ("none", "w8a8", "w4a8")
 ALLOCATORS = ("mimalloc", "glibc-tuned", "system")

@@ -23,7 +23,7 @@ QuantOpt = Annotated[Optional[str], Opt(help="Quantization method (where the eng
 SeqsOpt = Annotated[Optional[int], Opt(help="Most sequences in one batch.")]
 TokOpt = Annotated[Optional[int], Opt(help="Token budget of one step.")]
 AttnOpt = Annotated[Optional[str], Opt(help="auto | native | reference.")]
-LinOpt = Annotated[Optional[str], Opt(help="auto | torch | onednn.")]
+LinOpt = Annotated[Optional[str], Opt(help="auto | torch | onednn | native (float); quantized backends.")]
 ThrOpt = Annotated[Optional[int], Opt(help="Engine threads (default: torch's).")]
 EngArgOpt = Annotated[Optional[list[str]], Opt("--engine-arg", "-e",
                                                help="Any EngineConfig field as NAME=VALUE (repeatable).")]

@@ -79,12 +79,17 @@ def roofline(m: int, n: int, k: int, dtype: torch.dtype, peak: float, bw: float)
 
 
 def linear_backends(dtype: torch.dtype) -> list[str]:
-    from appliance.layers.linear import onednn_available
+    from appliance.layers.linear import float_candidates
 
-    return ["torch"] + (["onednn"] if onednn_available(dtype, torch.device("cpu")) else [])
+    return float_candidates(dtype, torch.device("cpu"))
 
 
 def _linear_fn(backend: str, w: torch.Tensor):
+    if backend == "native":
+        from appliance.ops import native
+
+        wp = native.pack_f32(w)
+        return lambda x: native.gemm_f32(x, wp, None, w.shape[0])
     if backend == "onednn":
         from appliance.layers.linear import _pack_onednn
 

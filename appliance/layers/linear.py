@@ -8,6 +8,10 @@ time. After loading, each layer gets one backend, chosen once per weight shape (
   (``mkldnn._reorder_linear_weight``) and applied with ``mkldnn._linear_pointwise``. Where this
   reaches the hardware's GEMM better than the plain path (small decode batches on wide-vector CPUs,
   Neoverse with ACL) it is the faster one.
+- ``native`` (float32): the weight prepacked once into panels of 32 output columns and applied by the
+  native extension's ``gemm_f32``, which prefetches each next panel while it computes the current
+  one. At decode batch sizes the weights stream from DRAM every step; a kernel that does not fetch
+  ahead stalls on them (oneDNN loses ~20-30% there on x86, see bench/results).
 
 Quantized layers (``appliance.layers.quant.QuantLinear``: W8A8, W4A8, swapped in at load) bring
 their own candidates (``w8a8_onednn``, ``w8a8_native``, ``w8a16_int8pack``, ``w4a8_dynquant``, ``w4a16_int4pack``).
@@ -72,6 +76,8 @@ class Linear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
+            if self.backend == "native":
+                return _native().gemm_f32(x, self._packed, self.bias, self.out_features)
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -80,14 +86,17 @@ class Linear(LinearBase):
         return f"{self.out_features}x{self.in_features}"  # float choices keep their pre-quantization keys
 
     def candidates(self, dtype: torch.dtype, device: torch.device) -> list[str]:
-        return list(FLOAT_BACKENDS) if onednn_available(dtype, device) else ["torch"]
+        return float_candidates(dtype, device)
 
     def measure(self, candidates: list[str], rows, timer) -> dict[str, float]:
         return measure(self.weight, candidates, rows, timer)
 
     def set_backend(self, name: str) -> None:
-        if name == "onednn":
-            self._packed = _pack_onednn(self.weight.data)
+        if name in ("onednn", "native"):
+            if name == "native" and not native_gemm_available(self.weight.dtype, self.weight.device):
+                raise ValueError("linear backend native needs float32 weights on the CPU and the native "
+                                 "kernel extension (python -m appliance.ops.native --build)")
+            self._packed = _pack_onednn(self.weight.data) if name == "onednn" else _native().pack_f32(self.weight.data)
             if not self.keep_weight:  # the checkpoint layout is no longer needed for the forward pass
                 self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
         elif name != "torch":
@@ -102,7 +111,22 @@ class Linear(LinearBase):
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, backend={self.backend}"
 
 
-FLOAT_BACKENDS = ("torch", "onednn")
+FLOAT_BACKENDS = ("torch", "onednn", "native")
+
+
+def _native():
+    from appliance.ops import native
+
+    return native
+
+
+def native_gemm_available(dtype: torch.dtype, device: torch.device) -> bool:
+    return dtype == torch.float32 and device.type == "cpu" and _native().is_available()
+
+
+def float_candidates(dtype: torch.dtype, device: torch.device) -> list[str]:
+    return (["torch"] + (["onednn"] if onednn_available(dtype, device) else [])
+            + (["native"] if native_gemm_available(dtype, device) else []))
 
 
 def _pack_onednn(w: torch.Tensor) -> torch.Tensor:
@@ -138,6 +162,9 @@ def measure(weight: torch.Tensor, candidates: list[str], rows=_PROBE_ROWS, timer
             if name == "onednn":
                 packed = _pack_onednn(w)
                 f = lambda x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+            elif name == "native":
+                packed = _native().pack_f32(w)
+                f = lambda x, p=packed: _native().gemm_f32(x, p, None, n)
             else:
                 f = lambda x: F.linear(x, w)
             out[name] = sum(timer(lambda f=f, m=m: f(torch.randn(m, k, dtype=w.dtype, device=w.device))) for m in rows)

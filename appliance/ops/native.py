@@ -36,6 +36,9 @@ from appliance.ops.reference import kv_cache_shape, rotary_cos_sin_cache, softma
 logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "appliance_native"
+# Prefill with no cached context runs through paged_attention too (attention.Attention): this kernel
+# beats SDPA's per-sequence calls there, so the layer needn't special-case it.
+PAGED_PREFILL = True
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -391,6 +394,30 @@ def gemm_w8g_a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, wsum: tor
     native/neon_sve/include/appliance_kernels.h). No reference fallback: the backend is offered only
     when the extension is available."""
     return _require().gemm_w8g_a8(x, w, scale, wsum, n, group, has_m128)
+
+
+SGEMM_PANEL = 32  # output columns per prepacked panel (kSgemmPanel in appliance_kernels.h)
+
+
+def pack_f32(w: torch.Tensor) -> torch.Tensor:
+    """Prepack a float32 weight [N, K] for ``gemm_f32``: panels of 32 output rows, K-major inside
+    (``[ceil(N/32), K, 32]``, zero rows past N)."""
+    n, k = w.shape
+    p = -(-n // SGEMM_PANEL)
+    wf = w.detach().to(torch.float32)
+    if p * SGEMM_PANEL != n:
+        wf = torch.cat([wf, wf.new_zeros(p * SGEMM_PANEL - n, k)])
+    return wf.view(p, SGEMM_PANEL, k).transpose(1, 2).contiguous()
+
+
+def gemm_f32(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for float32 ``x [..., K]`` over ``wp = pack_f32(W)``. No reference fallback:
+    the backend is offered only when the extension is available."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    return _require().gemm_f32(x2, wp, bias, n).view(*lead, n)
 
 
 def _main(argv: list[str] | None = None) -> int:

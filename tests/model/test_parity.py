@@ -79,13 +79,16 @@ def test_max_model_len_defaults_to_max_position_embeddings(llama_dir):
 
 
 @pytest.mark.parametrize("arch,tie", [("llama", True), ("qwen2", False)])
-def test_prepacked_onednn_linear_matches_transformers(tiny_model_dir, arch, tie):
+@pytest.mark.parametrize("linear", ["onednn", "native"])
+def test_prepacked_linear_matches_transformers(tiny_model_dir, arch, tie, linear):
+    """Both prepacked float backends (oneDNN's blocked layout; the native panel GEMM, with the qkv bias
+    of Qwen2) give transformers' greedy tokens and last-token logits within 1e-4."""
     path = tiny_model_dir(arch, tie, 2)
-    llm = LLM(str(path), dtype="float32", linear_backend="onednn", num_kv_blocks=128)
-    assert set(llm.engine.runner.linear_backends.values()) == {"onednn"}
+    llm = LLM(str(path), dtype="float32", linear_backend=linear, num_kv_blocks=128)
+    assert set(llm.engine.runner.linear_backends.values()) == {linear}
     # what the banner and `appliance generate` report, per layer group
     assert llm.engine.runner.linear_groups == dict.fromkeys(
-        ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"), "onednn")
+        ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"), linear)
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS]
     outs = llm.generate(prompt_token_ids=ids,

@@ -129,8 +129,11 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, tor
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == key.size(0), "reshape_and_cache: slot_mapping int64 [num_tokens]");
   const int64_t slots = key_cache.size(0) * key_cache.size(2);
-  if (slot_mapping.numel() > 0)
-    TORCH_CHECK(slot_mapping.max().item<int64_t>() < slots, "reshape_and_cache: slot out of range (", slots, " slots)");
+  {  // a plain loop: a torch max() + item() per layer and step cost more than the copy itself
+    const int64_t* sm = slot_mapping.data_ptr<int64_t>();
+    for (int64_t i = 0; i < slot_mapping.numel(); ++i)
+      TORCH_CHECK(sm[i] < slots, "reshape_and_cache: slot ", sm[i], " out of range (", slots, " slots)");
+  }
   K()->reshape_and_cache(key.data_ptr(), value.data_ptr(), dtype_of(key, "key"), key.stride(0), key.stride(1),
                          value.stride(0), value.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
                          dtype_of(key_cache, "key_cache"), slot_mapping.data_ptr<int64_t>(), key.size(0),
@@ -164,6 +167,23 @@ torch::Tensor gemm_w8g_a8(const torch::Tensor& x, const torch::Tensor& w, const 
   return out;
 }
 
+// fp32 GEMM over weights prepacked by appliance/layers/linear.py (backend "native").
+torch::Tensor gemm_f32(const torch::Tensor& x, const torch::Tensor& wp, const c10::optional<torch::Tensor>& bias,
+                       int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "gemm_f32: x contiguous float32 [M, K]");
+  const int64_t m = x.size(0), k = x.size(1), panels = (n + ak::kSgemmPanel - 1) / ak::kSgemmPanel;
+  TORCH_CHECK(n > 0 && wp.scalar_type() == torch::kFloat32 && wp.is_contiguous() && wp.numel() == panels * ak::kSgemmPanel * k,
+              "gemm_f32: wp float32 [ceil(N/", ak::kSgemmPanel, "), K, ", ak::kSgemmPanel, "] for N=", n, ", K=", k);
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n, "gemm_f32: bias float32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  auto out = torch::empty({m, n}, x.options());
+  if (m > 0) K()->gemm_f32(x.data_ptr<float>(), m, k, wp.data_ptr<float>(), n, b, out.data_ptr<float>());
+  return out;
+}
+
 bool cpu_has(const std::string& name) { return ak::cpu_has(name.c_str()); }
 
 std::string kernel_variant() { return K()->name; }
@@ -192,6 +212,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul);
   m.def("reshape_and_cache", &reshape_and_cache);
   m.def("gemm_w8g_a8", &gemm_w8g_a8);
+  m.def("gemm_f32", &gemm_f32, pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("n"));
   m.def("cpu_has", &cpu_has);
   m.def("kernel_variant", &kernel_variant);
   m.def("available_variants", &available_variants);

@@ -440,6 +440,46 @@ void check_w8g(const std::vector<const KernelTable*>& variants) {
   }
 }
 
+// ------------------------------------------------------------------------------------------
+// fp32 GEMM over panel-packed weights (gemm_f32) against a double-precision product.
+
+void check_sgemm(const std::vector<const KernelTable*>& variants) {
+  struct Case { int M, N, K; bool bias; };
+  // single decode row; partial and several row blocks; N and K tails; more than one 128-row pass
+  const Case cases[] = {{1, 64, 96, false}, {3, 33, 17, true}, {9, 96, 130, true}, {20, 40, 64, false},
+                        {130, 35, 24, true}};
+  constexpr int NR = kSgemmPanel;
+  Rng rng(11);
+  for (const Case& c : cases) {
+    const int P = (c.N + NR - 1) / NR;
+    std::vector<float> w((size_t)c.N * c.K), x((size_t)c.M * c.K), b(c.N), wp((size_t)P * c.K * NR, 0.f);
+    for (auto& v : w) v = 0.1f * rng.normal();
+    for (auto& v : x) v = rng.normal();
+    for (auto& v : b) v = rng.normal();
+    for (int n = 0; n < c.N; ++n)
+      for (int k = 0; k < c.K; ++k) wp[((size_t)(n / NR) * c.K + k) * NR + n % NR] = w[(size_t)n * c.K + k];
+    std::vector<float> ref((size_t)c.M * c.N);
+    double mx = 0;
+    for (int m = 0; m < c.M; ++m)
+      for (int n = 0; n < c.N; ++n) {
+        double acc = c.bias ? b[n] : 0.0;
+        for (int k = 0; k < c.K; ++k) acc += (double)x[(size_t)m * c.K + k] * w[(size_t)n * c.K + k];
+        ref[(size_t)m * c.N + n] = (float)acc;
+        mx = std::max(mx, std::fabs(acc));
+      }
+    const double tol = 4e-6 * mx * std::sqrt(c.K / 64.0) + 1e-6;
+    for (const KernelTable* kt : variants) {
+      std::vector<float> out((size_t)c.M * c.N, -1.f);
+      kt->gemm_f32(x.data(), c.M, c.K, wp.data(), c.N, c.bias ? b.data() : nullptr, out.data());
+      double err;
+      char what[96];
+      std::snprintf(what, sizeof what, "gemm_f32 M=%d N=%d K=%d%s", c.M, c.N, c.K, c.bias ? " bias" : "");
+      const bool ok = close_enough(out, ref, tol, 0, &err);
+      report(ok, kt->name, what, err);
+    }
+  }
+}
+
 std::vector<std::string> split(const char* s) {
   std::vector<std::string> out;
   std::string cur;
@@ -483,6 +523,7 @@ int main(int argc, char** argv) {
   check_rows(variants);
   check_attention(variants);
   check_w8g(variants);
+  check_sgemm(variants);
   std::printf("checks: %d, failures: %d\nRESULT: %s\n", g_checks, g_failures, g_failures ? "FAIL" : "OK");
   return g_failures ? 1 : 0;
 }

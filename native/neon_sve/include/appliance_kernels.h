@@ -89,7 +89,15 @@ struct KernelTable {
                             int head_size, int block_size);
   // W8A8 GEMM with group-wise weight scales (see W8GArgs).
   void (*gemm_w8g_a8)(const W8GArgs& a);
+  // fp32 GEMM out[M, N] = x[M, K] W^T (+ bias[N]) over W prepacked once into panels of
+  // kSgemmPanel output columns: wp[p][k][j] = W[p * kSgemmPanel + j, k], zero past N.
+  // x and out contiguous; bias may be null.
+  void (*gemm_f32)(const float* x, int64_t M, int64_t K, const float* wp, int64_t N,
+                   const float* bias, float* out);
 };
+
+// Output columns per prepacked panel of gemm_f32 (the layout is the same for every variant).
+constexpr int kSgemmPanel = 32;
 
 // The variant chosen for this process: the best the CPU supports, or APPLIANCE_KERNELS
 // (a variant name) when set and supported. Chosen once; the choice is logged to stderr when

@@ -49,18 +49,21 @@ static inline int chunk_blocks_for(int BS, int D, size_t elem) {
 }
 
 struct Item {
-  int seq, kvh;
+  int seq;
+  int h0, h1;       // KV heads [h0, h1): one, or all of them (see paged_attention_kt)
   int q0, q1;       // query tokens of the sequence, relative to its first new token
   int c0, c1;       // context positions [c0, c1), c0 a multiple of block_size
   int64_t partial;  // first row (of D floats) of its partial state, or -1: writes out directly
 };
 
 struct Merge {
-  int seq, kvh, q0, q1;
+  int seq, h0, h1, q0, q1;
   int64_t first_partial;  // partial row index of the first partition
-  int num_partials;       // partitions, each holding M = (q1 - q0) * group rows
+  int num_partials;       // partitions, each holding M = (h1 - h0) * (q1 - q0) * group rows
 };
 
+// Rows of an item: KV head hh (relative to h0) major, then query token, then head of the group:
+// r = (hh * nq + qi) * G + g, so each KV head's rows are contiguous (Mh = nq * G of them).
 template <class KT>
 static void run_item(const AttentionArgs& a, const Item& it, int cap, float* ws, float* part_acc,
                      float* part_ml) {
@@ -70,42 +73,50 @@ static void run_item(const AttentionArgs& a, const Item& it, int cap, float* ws,
   const int q_len = a.query_start_loc[it.seq + 1] - q_begin;
   const int first_pos = a.seq_lens[it.seq] - q_len;
   const int nq = it.q1 - it.q0;
-  const int M = nq * G;
-  // Workspace: Q [M*D] | qpack [(M+2)*D] | acc [M*D] | S [M*W] | m [M] | l [M] | lim [M]
-  // with cap >= M rows and W the chunk width (sized in paged_attention_kt as ws_floats).
+  const int nh = it.h1 - it.h0;
+  const int Mh = nq * G;
+  const int M = nh * Mh;
+  const int W = chunk_blocks_for(BS, D, sizeof(KT)) * BS;
+  // Workspace: Q [cap*D] | qpack [(cap + 2*nh)*D] | acc [cap*D] | S [cap*W] | m | l | lim [cap]
+  // with cap >= M rows (sized in paged_attention_kt as ws_floats).
   float* Q = ws;
   float* qpack = Q + (int64_t)cap * D;
-  float* acc = qpack + (int64_t)(cap + 2) * D;
+  float* acc = qpack + (int64_t)(cap + 2 * a.num_kv_heads) * D;
   float* S = acc + (int64_t)cap * D;
-  float* m = S + (int64_t)cap * chunk_blocks_for(BS, D, sizeof(KT)) * BS;
+  float* m = S + (int64_t)cap * W;
   float* l = m + cap;
   int* lim = reinterpret_cast<int*>(l + cap);
+  auto qpack_of = [&](int hh) { return qpack + (int64_t)hh * (Mh + 2) * D; };
 
-  for (int qi = 0; qi < nq; ++qi) {
-    const int64_t tok = q_begin + it.q0 + qi;
-    for (int g = 0; g < G; ++g) {
-      const int r = qi * G + g;
-      const int head = it.kvh * G + g;
-      float* qr = Q + (int64_t)r * D;
-      load_row(a.query, a.q_dtype, tok * a.q_stride_token + head * a.q_stride_head, qr, D);
-      for (int d = 0; d < D; ++d) qr[d] *= a.scale;
-      lim[r] = first_pos + it.q0 + qi + 1;  // causal: positions < lim attend
-      m[r] = -std::numeric_limits<float>::infinity();
-      l[r] = 0.f;
+  for (int hh = 0; hh < nh; ++hh) {
+    for (int qi = 0; qi < nq; ++qi) {
+      const int64_t tok = q_begin + it.q0 + qi;
+      for (int g = 0; g < G; ++g) {
+        const int r = (hh * nq + qi) * G + g;
+        const int head = (it.h0 + hh) * G + g;
+        float* qr = Q + (int64_t)r * D;
+        load_row(a.query, a.q_dtype, tok * a.q_stride_token + head * a.q_stride_head, qr, D);
+        for (int d = 0; d < D; ++d) qr[d] *= a.scale;
+        lim[r] = first_pos + it.q0 + qi + 1;  // causal: positions < lim attend
+        m[r] = -std::numeric_limits<float>::infinity();
+        l[r] = 0.f;
+      }
     }
+    pack_q(Q + (int64_t)hh * Mh * D, Mh, D, qpack_of(hh));
   }
   std::memset(acc, 0, sizeof(float) * (size_t)M * D);
-  pack_q(Q, M, D, qpack);
 
   const KT* kc = static_cast<const KT*>(a.key_cache);
   const KT* vc = static_cast<const KT*>(a.value_cache);
   const int32_t* bt = a.block_table + (int64_t)it.seq * a.block_table_stride;
-  // The context is walked in chunks of W = chunk_blocks * BS tokens: Q.K^T of each block of a
-  // chunk fills the columns of S, one online-softmax step covers the whole chunk (its per-row
-  // cost is amortized over W columns rather than paid per block), then P.V block by block.
-  const int chunk_blocks = chunk_blocks_for(BS, D, sizeof(KT));
-  const int W = chunk_blocks * BS;
-  auto tile_of = [&](int pos) { return ((int64_t)bt[pos / BS] * a.num_kv_heads + it.kvh) * BS * D; };
+  // The context is walked in chunks of W tokens: Q.K^T of each block of a chunk fills the
+  // columns of S, one online-softmax step covers the whole chunk (its per-row cost is amortized
+  // over W columns rather than paid per block), then P.V block by block. An item over all KV
+  // heads reads each block's K (and V) as one contiguous run of num_kv_heads tiles.
+  const int64_t tile = (int64_t)BS * D;
+  auto tile_of = [&](int pos, int h) { return ((int64_t)bt[pos / BS] * a.num_kv_heads + h) * tile; };
+  // Heads h0..h1 of a block are adjacent tiles; at most 32 KiB ahead (large blocks).
+  const int64_t run_bytes = std::min<int64_t>((int64_t)nh * tile * sizeof(KT), 32768);
   for (int c = it.c0; c < it.c1; c += W) {
     const int cw = std::min(W, it.c1 - c);
     for (int b = 0; b * BS < cw; ++b) {
@@ -114,15 +125,17 @@ static void run_item(const AttentionArgs& a, const Item& it, int cap, float* ws,
       if (cp < it.c1) {
         // Blocks are scattered, so the hardware prefetcher (which stops at page boundaries)
         // cannot see the next tiles coming: fetch one kPrefetchBlocks ahead (K and V).
-        const int64_t bytes = std::min<int64_t>((int64_t)std::min(BS, it.c1 - cp) * D * sizeof(KT), 16384);
-        const char* pk = reinterpret_cast<const char*>(kc + tile_of(cp));
-        const char* pv = reinterpret_cast<const char*>(vc + tile_of(cp));
-        for (int64_t off = 0; off < bytes; off += 64) {
+        const char* pk = reinterpret_cast<const char*>(kc + tile_of(cp, it.h0));
+        const char* pv = reinterpret_cast<const char*>(vc + tile_of(cp, it.h0));
+        for (int64_t off = 0; off < run_bytes; off += 64) {
           __builtin_prefetch(pk + off);
           __builtin_prefetch(pv + off);
         }
       }
-      qk_tile<KT>(Q, qpack, M, kc + tile_of(cb), std::min(BS, cw - b * BS), D, S + b * BS, W);
+      const int n = std::min(BS, cw - b * BS);
+      for (int hh = 0; hh < nh; ++hh)
+        qk_tile<KT>(Q + (int64_t)hh * Mh * D, qpack_of(hh), Mh, kc + tile_of(cb, it.h0 + hh), n, D,
+                    S + (int64_t)hh * Mh * W + b * BS, W);
     }
     for (int r = 0; r < M; ++r) {
       float* s = S + (int64_t)r * W;
@@ -152,21 +165,23 @@ static void run_item(const AttentionArgs& a, const Item& it, int cap, float* ws,
       }
       l[r] += sum;
     }
-    for (int b = 0; b * BS < cw; ++b)
-      pv_tile<KT>(acc, M, S + b * BS, W, vc + tile_of(c + b * BS), std::min(BS, cw - b * BS), D);
+    for (int b = 0; b * BS < cw; ++b) {
+      const int n = std::min(BS, cw - b * BS);
+      for (int hh = 0; hh < nh; ++hh)
+        pv_tile<KT>(acc + (int64_t)hh * Mh * D, Mh, S + (int64_t)hh * Mh * W + b * BS, W,
+                    vc + tile_of(c + b * BS, it.h0 + hh), n, D);
+    }
   }
 
   if (it.partial < 0) {
-    for (int qi = 0; qi < nq; ++qi) {
+    for (int r = 0; r < M; ++r) {
+      const int hh = r / Mh, qi = (r % Mh) / G, g = r % G;
       const int64_t tok = q_begin + it.q0 + qi;
-      for (int g = 0; g < G; ++g) {
-        const int r = qi * G + g;
-        float* ar = acc + (int64_t)r * D;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        for (int d = 0; d < D; ++d) ar[d] *= inv;
-        store_row(a.out, a.q_dtype, tok * a.o_stride_token + (it.kvh * G + g) * a.o_stride_head,
-                  ar, D);
-      }
+      float* ar = acc + (int64_t)r * D;
+      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+      for (int d = 0; d < D; ++d) ar[d] *= inv;
+      store_row(a.out, a.q_dtype, tok * a.o_stride_token + ((it.h0 + hh) * G + g) * a.o_stride_head,
+                ar, D);
     }
   } else {
     std::memcpy(part_acc + it.partial * D, acc, sizeof(float) * (size_t)M * D);
@@ -180,10 +195,11 @@ static void merge_partials(const AttentionArgs& a, const Merge& mg, const float*
   const int G = a.num_heads / a.num_kv_heads;
   const int D = a.head_size;
   const int q_begin = a.query_start_loc[mg.seq];
-  const int M = (mg.q1 - mg.q0) * G;
-  for (int qi = 0; qi < mg.q1 - mg.q0; ++qi) {
-    for (int g = 0; g < G; ++g) {
-      const int r = qi * G + g;
+  const int Mh = (mg.q1 - mg.q0) * G;
+  const int M = (mg.h1 - mg.h0) * Mh;
+  {
+    for (int r = 0; r < M; ++r) {
+      const int hh = r / Mh, qi = (r % Mh) / G, g = r % G;
       float gm = -std::numeric_limits<float>::infinity();
       for (int p = 0; p < mg.num_partials; ++p)
         gm = std::max(gm, part_ml[(mg.first_partial + (int64_t)p * M) * 2 + r]);
@@ -201,7 +217,7 @@ static void merge_partials(const AttentionArgs& a, const Merge& mg, const float*
       const float inv = denom > 0.f ? 1.f / denom : 0.f;
       for (int d = 0; d < D; ++d) tmp[d] *= inv;
       const int64_t tok = q_begin + mg.q0 + qi;
-      store_row(a.out, a.q_dtype, tok * a.o_stride_token + (mg.kvh * G + g) * a.o_stride_head,
+      store_row(a.out, a.q_dtype, tok * a.o_stride_token + ((mg.h0 + hh) * G + g) * a.o_stride_head,
                 tmp, D);
     }
   }
@@ -213,26 +229,40 @@ static void paged_attention_kt(const AttentionArgs& a) {
   const int D = a.head_size, BS = a.block_size;
   const int qt = std::max(1, kMaxTileRows / G);  // query tokens per tile
   const int W = chunk_blocks_for(BS, D, sizeof(KT)) * BS;  // tokens per softmax chunk
+  // A sequence whose new queries are one short tile (decode) can take all KV heads in one item
+  // (groupable): each block's K and V are then read as one contiguous run of num_kv_heads tiles
+  // instead of num_kv_heads scattered tiles. Used when there are still enough items to go
+  // around; else items are per KV head as for prefill.
+  auto groupable = [&](int q_len) { return q_len <= qt && (int64_t)q_len * a.num_heads <= kMaxTileRows; };
   // Partition length: kPartitionTokens, halved (down to kMinPartitionTokens, whole chunks)
   // while there would be fewer than two items per thread, so that small decode batches with
   // long contexts still spread over every core.
   auto round_w = [&](int t) { return std::max(1, (t + W - 1) / W) * W; };
-  auto count_items = [&](int p) {
+  auto count_items = [&](int p, bool grouped) {
     int64_t n = 0;
     for (int s = 0; s < a.num_seqs; ++s) {
       const int q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
       if (q_len <= 0) continue;
+      const int units = grouped && groupable(q_len) ? 1 : a.num_kv_heads;
       if (q_len <= qt && a.seq_lens[s] > p)
-        n += (a.seq_lens[s] + p - 1) / p;
+        n += (int64_t)units * ((a.seq_lens[s] + p - 1) / p);
       else
-        n += (q_len + qt - 1) / qt;
+        n += (int64_t)units * ((q_len + qt - 1) / qt);
     }
-    return n * a.num_kv_heads;
+    return n;
   };
-  int part = round_w(kPartitionTokens);
   const int64_t want = 2 * (int64_t)max_threads();
-  while (part > W && part > kMinPartitionTokens && count_items(part) < want)
-    part = round_w(part / 2);
+  auto partition_for = [&](bool grouped) {
+    int p = round_w(kPartitionTokens);
+    while (p > W && p > kMinPartitionTokens && count_items(p, grouped) < want) p = round_w(p / 2);
+    return p;
+  };
+  bool grouped = a.num_kv_heads > 1;
+  int part = partition_for(grouped);
+  if (grouped && count_items(part, true) < want) {
+    grouped = false;
+    part = partition_for(false);
+  }
   std::vector<Item> items;
   std::vector<Merge> merges;
   int64_t num_partials = 0;  // partial rows
@@ -240,29 +270,33 @@ static void paged_attention_kt(const AttentionArgs& a) {
     const int q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
     const int ctx = a.seq_lens[s];
     if (q_len <= 0) continue;
-    for (int h = 0; h < a.num_kv_heads; ++h) {
+    const int hstep = grouped && groupable(q_len) ? a.num_kv_heads : 1;
+    for (int h = 0; h < a.num_kv_heads; h += hstep) {
+      const int h1 = h + hstep;
       for (int q0 = 0; q0 < q_len; q0 += qt) {
         const int q1 = std::min(q_len, q0 + qt);
         const int end = ctx - q_len + q1;  // the tile's last query sees positions < end
         if (q_len <= qt && end > part) {
-          Merge mg{s, h, q0, q1, num_partials, 0};
+          Merge mg{s, h, h1, q0, q1, num_partials, 0};
           for (int c0 = 0; c0 < end; c0 += part) {
-            items.push_back(Item{s, h, q0, q1, c0, std::min(end, c0 + part), num_partials});
-            num_partials += (int64_t)(q1 - q0) * G;
+            items.push_back(Item{s, h, h1, q0, q1, c0, std::min(end, c0 + part), num_partials});
+            num_partials += (int64_t)hstep * (q1 - q0) * G;
             mg.num_partials++;
           }
           merges.push_back(mg);
         } else {
-          items.push_back(Item{s, h, q0, q1, 0, end, -1});
+          items.push_back(Item{s, h, h1, q0, q1, 0, end, -1});
         }
       }
     }
   }
   FloatBuf part_acc((size_t)num_partials * D);
   FloatBuf part_ml((size_t)num_partials * 2);
-  // Rows per item: qt tokens x G heads; G alone may exceed kMaxTileRows (e.g. MQA, 128 heads).
+  // Rows per item: qt tokens x G heads (G alone may exceed kMaxTileRows, e.g. MQA with 128
+  // heads), or a grouped item's q_len x num_heads <= kMaxTileRows.
   const int cap = std::max(kMaxTileRows, qt * G);
-  const int64_t ws_floats = (int64_t)cap * D * 3 + 2 * D + (int64_t)cap * W + 3 * cap + 64;
+  const int64_t ws_floats =
+      (int64_t)cap * D * 3 + 2 * (int64_t)a.num_kv_heads * D + (int64_t)cap * W + 3 * cap + 64;
   const int64_t num_items = (int64_t)items.size();
   const int64_t num_merges = (int64_t)merges.size();
 #pragma omp parallel if (num_items > 1)
@@ -502,10 +536,98 @@ static void gemm_w8g_a8(const W8GArgs& a) {
   }
 }
 
+// ------------------------------------------------------------------ fp32 GEMM, prepacked weights
+//
+// Decode-sized GEMMs (tens of rows) are where a general library loses most: each weight is used
+// once per step and streams from DRAM, and a kernel that does not fetch ahead stalls on it. Work
+// split: each thread owns a contiguous run of panels (kSgemmPanel output columns, K deep, one
+// contiguous stretch of memory) and, for each, runs every row block of kSgemmMR rows through the
+// variant's micro-kernel while prefetching its next panel into L2, a slice per row block, so that
+// the DRAM reads overlap the FMAs. Rows are cut into passes of
+// kSgemmMB (the x block stays in L2); weights are prefetched on the first pass, later passes
+// find them in L2/L3.
+//
+//   template <int MR> void sgemm_block(const float* A, int64_t lda, const float* B, int K,
+//       float* C, int64_t ldc, const float* bias, int nvalid, const char* pf, int pf_per4);
+//     C[r, j] = sum_k A[r, k] * B[k, j] (+ bias[j]) for r < MR, j < nvalid (B: one panel,
+//     [K][kSgemmPanel]); prefetches pf_per4 lines from pf every 4 k steps (pf may be null).
+//     A variant defines AK_SGEMM_BLOCK when it has its own; else the portable one below.
+
+constexpr int kSgemmMR = 8;
+constexpr int kSgemmMB = 128;
+
+#ifndef AK_SGEMM_BLOCK
+template <int MR>
+static void sgemm_block(const float* A, int64_t lda, const float* B, int K, float* C, int64_t ldc,
+                        const float* bias, int nvalid, const char* pf, int pf_per4) {
+  constexpr int NR = kSgemmPanel;
+  float acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = 0.f;
+  for (int k = 0; k < K; ++k) {
+    if (pf && (k & 3) == 0) {
+      for (int i = 0; i < pf_per4; ++i) __builtin_prefetch(pf + 64 * i, 0, 2);
+      pf += 64 * pf_per4;
+    }
+    const float* b = B + (int64_t)k * NR;
+    for (int r = 0; r < MR; ++r) {
+      const float a = A[(int64_t)r * lda + k];
+#pragma omp simd
+      for (int j = 0; j < NR; ++j) acc[r][j] += a * b[j];
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < nvalid; ++j) C[(int64_t)r * ldc + j] = acc[r][j] + (bias ? bias[j] : 0.f);
+}
+#endif
+
+static void gemm_f32(const float* x, int64_t M, int64_t K, const float* wp, int64_t N,
+                     const float* bias, float* out) {
+  constexpr int NR = kSgemmPanel, MR = kSgemmMR;
+  using Block = void (*)(const float*, int64_t, const float*, int, float*, int64_t, const float*,
+                         int, const char*, int);
+  static const Block kBlocks[MR + 1] = {nullptr,         sgemm_block<1>, sgemm_block<2>,
+                                        sgemm_block<3>, sgemm_block<4>, sgemm_block<5>,
+                                        sgemm_block<6>, sgemm_block<7>, sgemm_block<8>};
+  const int64_t P = (N + NR - 1) / NR;
+  const int64_t panel = K * NR;  // floats
+  const int64_t lines = panel * (int64_t)sizeof(float) / 64;
+  const int iters = (int)(K / 4);
+#pragma omp parallel if (M * N * K > (1 << 17) && P > 1)
+  {
+    const int T = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t p0 = P * t / T, p1 = P * (t + 1) / T;
+    for (int64_t m0 = 0; m0 < M; m0 += kSgemmMB) {
+      const int mb = (int)std::min<int64_t>(kSgemmMB, M - m0);
+      const int nrb = (mb + MR - 1) / MR;
+      // Lines of the next panel each row block prefetches, 4 k steps at a time.
+      const int per4 = iters ? (int)((lines + (int64_t)nrb * iters - 1) / ((int64_t)nrb * iters)) : 0;
+      for (int64_t p = p0; p < p1; ++p) {
+        const float* B = wp + p * panel;
+        const int nvalid = (int)std::min<int64_t>(NR, N - p * NR);
+        const char* next = (m0 == 0 && p + 1 < p1 && per4 > 0)
+                               ? reinterpret_cast<const char*>(wp + (p + 1) * panel) : nullptr;
+        for (int rb = 0; rb < nrb; ++rb) {
+          const int64_t r0 = m0 + (int64_t)rb * MR;
+          const int mr = (int)std::min<int64_t>(MR, M - r0);
+          const char* pf = nullptr;
+          if (next) {
+            const int64_t first = (int64_t)rb * iters * per4;  // first line of this slice
+            if (first < lines) pf = next + first * 64;
+          }
+          kBlocks[mr](x + r0 * K, K, B, (int)K, out + r0 * N + p * NR, N, bias ? bias + p * NR : nullptr,
+                      nvalid, pf, per4);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace impl
 
 static const KernelTable kTable = {
     AK_VARIANT_NAME,        impl::paged_attention,  impl::exp_inplace,
     impl::rms_norm,         impl::fused_add_rms_norm, impl::rotary_embedding,
     impl::silu_and_mul,     impl::reshape_and_cache, impl::gemm_w8g_a8,
+    impl::gemm_f32,
 };
