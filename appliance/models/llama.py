@@ -123,10 +123,14 @@ class MLP(nn.Module):
         i = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * i, bias=cfg.mlp_bias,
                                    shards={"gate_proj": (0, i), "up_proj": (i, i)})
+        self.gate_up_proj.silu_mul_next = True
         self.down_proj = Linear(i, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, ops, x):
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        gu = self.gate_up_proj
+        if getattr(gu, "fused_silu_mul", False):  # native float GEMM: silu(gate) * up in its epilogue
+            return self.down_proj(gu.forward_silu_mul(x))
+        return self.down_proj(ops.silu_and_mul(gu(x)))
 
 
 class DecoderLayer(nn.Module):

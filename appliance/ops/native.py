@@ -410,14 +410,28 @@ def pack_f32(w: torch.Tensor) -> torch.Tensor:
     return wf.view(p, SGEMM_PANEL, k).transpose(1, 2).contiguous()
 
 
-def gemm_f32(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` for float32 ``x [..., K]`` over ``wp = pack_f32(W)``. No reference fallback:
-    the backend is offered only when the extension is available."""
+def gemm_f32(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None, n: int,
+             silu_mul: bool = False) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for float32 ``x [..., K]`` over ``wp = pack_f32(W)``. ``silu_mul``: W's rows
+    were interleaved by ``gate_up_order`` and the result is ``silu(gate) * up`` (``[..., n/2]``), the
+    MLP's gate/up projection and ``silu_and_mul`` in one pass. No reference fallback: the backend is
+    offered only when the extension is available."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    return _require().gemm_f32(x2, wp, bias, n).view(*lead, n)
+    return _require().gemm_f32(x2, wp, bias, n, silu_mul).view(*lead, n // 2 if silu_mul else n)
+
+
+def gate_up_order(intermediate: int) -> torch.Tensor | None:
+    """Row order of a fused [gate; up] weight (2 * ``intermediate`` rows) that puts 16 gate rows and
+    their 16 up rows in each 32-row panel, for ``gemm_f32(silu_mul=True)``; None when the size does
+    not split into such panels."""
+    h = SGEMM_PANEL // 2
+    if intermediate % h:
+        return None
+    g = torch.arange(intermediate).view(-1, h)
+    return torch.stack([g, g + intermediate], dim=1).reshape(-1)
 
 
 def _main(argv: list[str] | None = None) -> int:

@@ -89,6 +89,9 @@ def test_prepacked_linear_matches_transformers(tiny_model_dir, arch, tie, linear
     # what the banner and `appliance generate` report, per layer group
     assert llm.engine.runner.linear_groups == dict.fromkeys(
         ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"), linear)
+    mlps = [m for m in llm.engine.runner.model.modules() if hasattr(m, "gate_up_proj")]
+    # native: the MLP's silu(gate) * up runs in the gate/up GEMM's epilogue
+    assert mlps and all(m.gate_up_proj.fused_silu_mul == (linear == "native") for m in mlps)
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS]
     outs = llm.generate(prompt_token_ids=ids,

@@ -80,3 +80,47 @@ def test_linear_native_backend_refuses_bfloat16():
     assert "native" not in lin.candidates(torch.bfloat16, torch.device("cpu"))
     with pytest.raises(ValueError, match="linear backend native needs float32"):
         lin.set_backend("native")
+
+
+@pytest.mark.parametrize("inter,k,bias", [(1536, 576, False), (48, 40, True), (16, 7, True)], ids=str)
+def test_gemm_f32_silu_mul_matches_silu_and_mul(variant, inter, k, bias):
+    """The MLP's gate/up GEMM with silu(gate) * up in its epilogue (rows interleaved by gate_up_order)
+    equals the unfused route, F.silu(x gate^T) * (x up^T), in fp64: the GEMM bound above, carried
+    through silu and the product (|d out| <= (|up| + |silu(gate)|) * tol), plus the exp polynomial's
+    relative error (test_elementwise)."""
+    g = torch.Generator().manual_seed(inter + k)
+    w = torch.randn(2 * inter, k, generator=g) * 0.1
+    b = torch.randn(2 * inter, generator=g) if bias else None
+    order = native.gate_up_order(inter)
+    wp = native.pack_f32(w[order])
+    for m in (1, 9, 130):
+        x = torch.randn(m, k, generator=g)
+        h = F.linear(x.double(), w.double(), None if b is None else b.double())
+        want = F.silu(h[:, :inter]) * h[:, inter:]
+        got = native.gemm_f32(x, wp, None if b is None else b[order].contiguous(), 2 * inter, silu_mul=True)
+        assert got.shape == (m, inter)
+        tol = 4e-6 * h.abs().max().item() * (k / 64) ** 0.5 + 1e-6
+        bound = tol * (2 * h.abs().max().item() + 1) + 1e-5 * want.abs()
+        assert ((got.double() - want).abs() <= bound).all()
+
+
+def test_gate_up_order_needs_whole_panels():
+    assert native.gate_up_order(24) is None  # 24 gate rows do not fill 16-row halves
+    assert native.gate_up_order(32).tolist()[:18] == list(range(16)) + [32, 33]
+
+
+def test_linear_native_gate_up_fused_and_plain_forward():
+    """A [gate; up] Linear on the native backend packs its rows interleaved: forward_silu_mul is the
+    fused route, and the plain forward still returns the un-permuted projection."""
+    lin = Linear(40, 64, bias=True)
+    lin.silu_mul_next = True
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(64, 40) * 0.1)
+        lin.bias.copy_(torch.randn(64))
+    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    lin.set_backend("native")
+    assert lin.fused_silu_mul
+    x = torch.randn(3, 40)
+    _check(lin(x), x, w, b)
+    h = F.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(lin.forward_silu_mul(x).double(), F.silu(h[:, :32]) * h[:, 32:], atol=1e-5, rtol=1e-5)

@@ -169,7 +169,7 @@ torch::Tensor gemm_w8g_a8(const torch::Tensor& x, const torch::Tensor& w, const 
 
 // fp32 GEMM over weights prepacked by appliance/layers/linear.py (backend "native").
 torch::Tensor gemm_f32(const torch::Tensor& x, const torch::Tensor& wp, const c10::optional<torch::Tensor>& bias,
-                       int64_t n) {
+                       int64_t n, bool silu_mul) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "gemm_f32: x contiguous float32 [M, K]");
   const int64_t m = x.size(0), k = x.size(1), panels = (n + ak::kSgemmPanel - 1) / ak::kSgemmPanel;
   TORCH_CHECK(n > 0 && wp.scalar_type() == torch::kFloat32 && wp.is_contiguous() && wp.numel() == panels * ak::kSgemmPanel * k,
@@ -179,8 +179,11 @@ torch::Tensor gemm_f32(const torch::Tensor& x, const torch::Tensor& wp, const c1
     TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n, "gemm_f32: bias float32 [N]");
     b = bias->data_ptr<float>();
   }
-  auto out = torch::empty({m, n}, x.options());
-  if (m > 0) K()->gemm_f32(x.data_ptr<float>(), m, k, wp.data_ptr<float>(), n, b, out.data_ptr<float>());
+  TORCH_CHECK(!silu_mul || n % ak::kSgemmPanel == 0, "gemm_f32: silu_mul needs N a multiple of ", ak::kSgemmPanel);
+  auto out = torch::empty({m, silu_mul ? n / 2 : n}, x.options());
+  if (m > 0)
+    K()->gemm_f32(x.data_ptr<float>(), m, k, wp.data_ptr<float>(), n, b, out.data_ptr<float>(),
+                  silu_mul ? ak::kSgemmSiluMul : ak::kSgemmNoAct);
   return out;
 }
 
@@ -213,7 +216,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reshape_and_cache", &reshape_and_cache);
   m.def("gemm_w8g_a8", &gemm_w8g_a8);
   m.def("gemm_f32", &gemm_f32, pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("n"));
+        pybind11::arg("n"), pybind11::arg("silu_mul") = false);
   m.def("cpu_has", &cpu_has);
   m.def("kernel_variant", &kernel_variant);
   m.def("available_variants", &available_variants);

@@ -470,12 +470,25 @@ void check_sgemm(const std::vector<const KernelTable*>& variants) {
     const double tol = 4e-6 * mx * std::sqrt(c.K / 64.0) + 1e-6;
     for (const KernelTable* kt : variants) {
       std::vector<float> out((size_t)c.M * c.N, -1.f);
-      kt->gemm_f32(x.data(), c.M, c.K, wp.data(), c.N, c.bias ? b.data() : nullptr, out.data());
+      kt->gemm_f32(x.data(), c.M, c.K, wp.data(), c.N, c.bias ? b.data() : nullptr, out.data(), kSgemmNoAct);
       double err;
       char what[96];
       std::snprintf(what, sizeof what, "gemm_f32 M=%d N=%d K=%d%s", c.M, c.N, c.K, c.bias ? " bias" : "");
       const bool ok = close_enough(out, ref, tol, 0, &err);
       report(ok, kt->name, what, err);
+      if (c.N % NR) continue;
+      // the same panels read as gate|up halves: silu(gate) * up
+      std::vector<float> act((size_t)c.M * c.N / 2, -1.f), act_ref(act.size());
+      for (int m = 0; m < c.M; ++m)
+        for (int p = 0; p < P; ++p)
+          for (int j = 0; j < NR / 2; ++j) {
+            const double g = ref[(size_t)m * c.N + p * NR + j], u = ref[(size_t)m * c.N + p * NR + NR / 2 + j];
+            act_ref[(size_t)m * c.N / 2 + p * NR / 2 + j] = (float)(g / (1 + std::exp(-g)) * u);
+          }
+      kt->gemm_f32(x.data(), c.M, c.K, wp.data(), c.N, c.bias ? b.data() : nullptr, act.data(), kSgemmSiluMul);
+      std::snprintf(what, sizeof what, "gemm_f32 silu_mul M=%d N=%d K=%d%s", c.M, c.N, c.K, c.bias ? " bias" : "");
+      const bool ok2 = close_enough(act, act_ref, tol * (2 * mx + 1) + 1e-6, 1e-5, &err);  // |d act| <= (|u| + |silu g|) tol
+      report(ok2, kt->name, what, err);
     }
   }
 }

@@ -91,13 +91,16 @@ struct KernelTable {
   void (*gemm_w8g_a8)(const W8GArgs& a);
   // fp32 GEMM out[M, N] = x[M, K] W^T (+ bias[N]) over W prepacked once into panels of
   // kSgemmPanel output columns: wp[p][k][j] = W[p * kSgemmPanel + j, k], zero past N.
-  // x and out contiguous; bias may be null.
+  // x and out contiguous; bias may be null. act kSgemmSiluMul: each panel holds 16 gate then 16
+  // up columns (N a multiple of kSgemmPanel) and out[M, N/2] gets silu(gate) * up, column
+  // p * 16 + j from panel p (the MLP's gate/up GEMM and silu_and_mul in one pass).
   void (*gemm_f32)(const float* x, int64_t M, int64_t K, const float* wp, int64_t N,
-                   const float* bias, float* out);
+                   const float* bias, float* out, int act);
 };
 
 // Output columns per prepacked panel of gemm_f32 (the layout is the same for every variant).
 constexpr int kSgemmPanel = 32;
+constexpr int kSgemmNoAct = 0, kSgemmSiluMul = 1;
 
 // The variant chosen for this process: the best the CPU supports, or APPLIANCE_KERNELS
 // (a variant name) when set and supported. Chosen once; the choice is logged to stderr when

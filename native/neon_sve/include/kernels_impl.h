@@ -582,7 +582,7 @@ static void sgemm_block(const float* A, int64_t lda, const float* B, int K, floa
 #endif
 
 static void gemm_f32(const float* x, int64_t M, int64_t K, const float* wp, int64_t N,
-                     const float* bias, float* out) {
+                     const float* bias, float* out, int act) {
   constexpr int NR = kSgemmPanel, MR = kSgemmMR;
   using Block = void (*)(const float*, int64_t, const float*, int, float*, int64_t, const float*,
                          int, const char*, int);
@@ -593,9 +593,12 @@ static void gemm_f32(const float* x, int64_t M, int64_t K, const float* wp, int6
   const int64_t panel = K * NR;  // floats
   const int64_t lines = panel * (int64_t)sizeof(float) / 64;
   const int iters = (int)(K / 4);
+  const bool silu_mul = act == kSgemmSiluMul;
+  const int64_t ldo = silu_mul ? N / 2 : N;
 #pragma omp parallel if (M * N * K > (1 << 17) && P > 1)
   {
     const int T = omp_get_num_threads(), t = omp_get_thread_num();
+    alignas(64) float tile[MR * NR];  // a row block's gate|up panel before silu(gate) * up
     const int64_t p0 = P * t / T, p1 = P * (t + 1) / T;
     for (int64_t m0 = 0; m0 < M; m0 += kSgemmMB) {
       const int mb = (int)std::min<int64_t>(kSgemmMB, M - m0);
@@ -615,8 +618,22 @@ static void gemm_f32(const float* x, int64_t M, int64_t K, const float* wp, int6
             const int64_t first = (int64_t)rb * iters * per4;  // first line of this slice
             if (first < lines) pf = next + first * 64;
           }
-          kBlocks[mr](x + r0 * K, K, B, (int)K, out + r0 * N + p * NR, N, bias ? bias + p * NR : nullptr,
-                      nvalid, pf, per4);
+          if (!silu_mul) {
+            kBlocks[mr](x + r0 * K, K, B, (int)K, out + r0 * N + p * NR, N, bias ? bias + p * NR : nullptr,
+                        nvalid, pf, per4);
+            continue;
+          }
+          kBlocks[mr](x + r0 * K, K, B, (int)K, tile, NR, bias ? bias + p * NR : nullptr, NR, pf, per4);
+          constexpr int H = NR / 2;
+          for (int r = 0; r < mr; ++r) {
+            const float* g = tile + r * NR;
+            float e[H];
+            for (int j = 0; j < H; ++j) e[j] = -g[j];
+            exp_vec(e, H);
+            // as silu_and_mul: silu(a) = a / (1 + exp(-a)), then times up
+            float* o = out + (r0 + r) * ldo + p * H;
+            for (int j = 0; j < H; ++j) o[j] = (g[j] / (1.f + e[j])) * g[H + j];
+          }
         }
       }
     }
