@@ -108,7 +108,7 @@ class Linear(LinearBase):
         return float_candidates(dtype, device)
 
     def measure(self, candidates: list[str], rows, timer) -> dict[str, float]:
-        return measure(self.weight, candidates, rows, timer)
+        return measure(self.weight, candidates, rows, timer, silu_mul=self.silu_mul_next)
 
     def set_backend(self, name: str) -> None:
         if name in ("onednn", "native"):
@@ -167,33 +167,65 @@ def onednn_available(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32
 
 
+_SCRATCH: torch.Tensor | None = None
+
+
+def _evict_caches() -> None:
+    """Write 64 MiB (more than the last-level caches of the CPUs this targets) so the next call
+    finds its weights in DRAM, as a decode step does: each weight is read once per step, after
+    every other layer's. Timed hot, a kernel that streams weights badly would look as good as one
+    that prefetches them."""
+    global _SCRATCH
+    with torch.inference_mode():  # callers time both inside and outside inference mode
+        if _SCRATCH is None:
+            _SCRATCH = torch.empty(64 << 20, dtype=torch.uint8)
+        _SCRATCH.fill_(1)
+
+
 def _time(fn, reps: int = 5) -> float:
+    """Best of ``reps`` calls of ``fn``, each started with cold caches."""
     fn()
     best = float("inf")
     for _ in range(reps):
+        _evict_caches()
         t = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t)
     return best
 
 
-def measure(weight: torch.Tensor, candidates: list[str], rows=_PROBE_ROWS, timer=None) -> dict[str, float]:
-    """Summed best-of-5 seconds of each candidate over the probe batch sizes, on this weight's shape."""
+def measure(weight: torch.Tensor, candidates: list[str], rows=_PROBE_ROWS, timer=None,
+            silu_mul: bool = False) -> dict[str, float]:
+    """Summed best-of-5 seconds of each candidate over the probe batch sizes, on this weight's shape.
+    ``silu_mul``: the layer is an MLP's [gate; up] projection, always followed by silu_and_mul; each
+    candidate is timed with it (the native GEMM does it in its epilogue, the others as the op)."""
     timer = timer or _time
     n, k = weight.shape
     w = torch.randn(n, k, dtype=weight.dtype, device=weight.device) * 0.02
+    order = _native().gate_up_order(n // 2) if silu_mul and "native" in candidates and n % 2 == 0 else None
+    act = None
+    if silu_mul:
+        from appliance.ops import get_ops
+
+        act = get_ops("auto").silu_and_mul
     out = {}
     with torch.inference_mode():
         for name in candidates:
             if name == "onednn":
                 packed = _pack_onednn(w)
                 f = lambda x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+            elif name == "native" and order is not None:
+                packed = _native().pack_f32(w[order])
+                f = lambda x, p=packed: _native().gemm_f32(x, p, None, n, silu_mul=True)
             elif name == "native":
                 packed = _native().pack_f32(w)
                 f = lambda x, p=packed: _native().gemm_f32(x, p, None, n)
             else:
                 f = lambda x: F.linear(x, w)
-            out[name] = sum(timer(lambda f=f, m=m: f(torch.randn(m, k, dtype=w.dtype, device=w.device))) for m in rows)
+            if act is not None and not (name == "native" and order is not None):
+                f = lambda x, f=f: act(f(x))
+            xs = {m: torch.randn(m, k, dtype=w.dtype, device=w.device) for m in rows}  # not timed
+            out[name] = sum(timer(lambda f=f, x=xs[m]: f(x)) for m in rows)
     return out
 
 
