@@ -3,7 +3,9 @@ roofline, with the engine's step time split into model forward vs everything els
 
 Workload (issue 2): N requests of random-token prompts (default 64 x 128 tokens), 128 output tokens
 each, ignore_eos, the default model, float32. transformers runs the same prompts in static batches
-of 16 with the same dtype. Run it with nothing else on the machine:
+of 16 with the same dtype. The script re-executes itself once in the engine process environment of
+`appliance serve` (mimalloc preloaded, OpenMP threads placed; --allocator to change). Run it with
+nothing else on the machine:
 
     .venv/bin/python bench/bench_engine.py --json bench/results/engine_offline.json
 """
@@ -116,6 +118,24 @@ def run_transformers(path, prompts, out_len: int, batch: int, dtype) -> dict:
     return {"wall_s": wall, "output_tokens": n_out, "output_tok_s": n_out / wall, "batch": batch}
 
 
+def _reexec_as_worker(allocator: str) -> None:
+    """Run the rest of the benchmark in the process environment `appliance serve` gives its engine
+    (mimalloc preloaded, OpenMP threads placed), as `appliance bench` does: re-execute once."""
+    import os
+    import sys
+
+    if os.environ.get("APPLIANCE_BENCH_WORKER") == "1":
+        return
+    from appliance.runtime import threads
+    from appliance.runtime.worker import worker_env
+
+    env = dict(os.environ)
+    env.update(worker_env(allocator, placement=threads.resolve("auto", None)))
+    env["APPLIANCE_BENCH_WORKER"] = "1"
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
@@ -127,7 +147,10 @@ def main():
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--allocator", default="mimalloc", help="mimalloc (as appliance serve) | glibc-tuned | system")
     args = ap.parse_args()
+    _reexec_as_worker(args.allocator)
+    from appliance.runtime.allocator import allocator_in_use
 
     llm = LLM(args.model, dtype="float32", attention_backend=args.attention_backend,
               max_num_seqs=max(args.num_prompts, args.split_batch), max_num_batched_tokens=2048)
@@ -144,6 +167,7 @@ def main():
     roofline_s = flops / peak
     result = {
         "benchmark": "engine_offline", "machine": machine(), "model": str(eng.model_path),
+        "allocator": allocator_in_use(),
         "kernels": eng.runner.ops.__name__.rsplit(".", 1)[-1],
         "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
                      "dtype": "float32", "ignore_eos": True},
@@ -175,7 +199,8 @@ def main():
                f"{split['non_forward_fraction']:.1%}")
     Console().print(st)
     Console().print(f"whole run outside forward {app['non_forward_fraction']:.1%} | kernels: {result['kernels']}"
-                    f" | linear: {sorted(set(eng.runner.linear_backends.values()))} | {result['machine']}")
+                    f" | linear: {dict(sorted(eng.runner.linear_groups.items()))} | {result['machine']}"
+                    f" | allocator: {result['allocator'].get('name')}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
