@@ -1,0 +1,77 @@
+"""Float GEMM as a decode step meets it: the default model's 30 layers of q/k/v, o, gate/up and down
+projections run in model order on distinct weights (424 MB, far past the last-level cache), so every
+weight streams from DRAM once per pass, at several row counts; oneDNN's prepacked path against the
+native panel GEMM (``gemm_f32``), side by side with the ratio. Run it alone:
+
+    .venv/bin/python bench/bench_gemm_cold.py --json bench/results/gemm_cold.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from appliance.layers.linear import _pack_onednn
+from appliance.ops import native
+
+SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="1,16,32,64,128,256,2048")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not native.is_available():
+        raise SystemExit(f"native kernels unavailable: {native.unavailable_reason()}")
+    torch.manual_seed(0)
+    L = args.layers
+    weights = {k: [torch.randn(n, kk) * 0.02 for _ in range(L)] for k, (n, kk) in SHAPES.items()}
+    packed = {"onednn": {k: [_pack_onednn(w) for w in ws] for k, ws in weights.items()},
+              "native": {k: [native.pack_f32(w) for w in ws] for k, ws in weights.items()}}
+    del weights
+    run = {"onednn": lambda x, p, n: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
+           "native": lambda x, p, n: native.gemm_f32(x, p, None, n)}
+    flop_per_row = 2 * L * sum(n * k for n, k in SHAPES.values())
+    rows_out = []
+    with torch.inference_mode():
+        for m in [int(r) for r in args.rows.split(",")]:
+            xs = {k: torch.randn(m, kk) for k, (n, kk) in SHAPES.items()}
+            res = {}
+            for b in ("onednn", "native"):
+                def chain():
+                    for layer in range(L):
+                        for k, (n, _) in SHAPES.items():
+                            run[b](xs[k], packed[b][k][layer], n)
+                chain()
+                best = float("inf")
+                for _ in range(5 if m <= 256 else 2):
+                    t = time.perf_counter()
+                    chain()
+                    best = min(best, time.perf_counter() - t)
+                res[b] = best
+            rows_out.append({"rows": m, **{f"{b}_ms": 1e3 * t for b, t in res.items()},
+                             **{f"{b}_gflops": flop_per_row * m / t / 1e9 for b, t in res.items()},
+                             "native_speedup": res["onednn"] / res["native"]})
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{L} layers of the default model in model order, weights cold (ms per pass)")
+    for c in ("rows", "oneDNN ms", "oneDNN GFLOP/s", "native ms", "native GFLOP/s", "native speedup"):
+        t.add_column(c, justify="right")
+    for r in rows_out:
+        t.add_row(str(r["rows"]), f"{r['onednn_ms']:.2f}", f"{r['onednn_gflops']:.0f}", f"{r['native_ms']:.2f}",
+                  f"{r['native_gflops']:.0f}", f"{r['native_speedup']:.2f}x")
+    Console().print(t)
+    Console().print(f"kernels: {native.kernel_variant()} | threads: {torch.get_num_threads()}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "gemm_cold", "layers": L, "shapes": SHAPES, "variant": native.kernel_variant(),
+                       "threads": torch.get_num_threads(), "torch": torch.__version__, "results": rows_out}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
