@@ -3,7 +3,8 @@
 trace shows them by name.
 
 Buckets are exclusive (a range nested in another is subtracted from its parent):
-  linear          every ``Linear.forward`` and ``QuantLinear.forward`` (q/k/v, o, gate/up, down, lm_head)
+  linear          every ``Linear.forward`` and ``QuantLinear.forward`` (q/k/v, o, gate/up, down, lm_head);
+                  the native gate/up GEMM with silu(gate) * up in its epilogue (``forward_silu_mul``)
   attention       ``Attention.forward``: KV cache write + paged attention / prefill SDPA
   norm_rotary_act RMSNorm, rotary embedding, SiLU-and-mul
   other_forward   the rest of the model forward: embedding, views, residual adds
@@ -71,7 +72,8 @@ def instrumented(engine, timers: _Timers):
     from appliance.layers.norm import RMSNorm
     from appliance.layers.quant import QuantLinear
 
-    saved_cls = [(Linear, "forward", "linear"), (QuantLinear, "forward", "linear"), (Attention, "forward", "attention"),
+    saved_cls = [(Linear, "forward", "linear"), (Linear, "forward_silu_mul", "linear"), (QuantLinear, "forward", "linear"),
+                 (Attention, "forward", "attention"),
                  (RMSNorm, "forward", "norm_rotary_act"), (Sampler, "__call__", "sampling"),
                  (IncrementalDetokenizer, "add_tokens", "detokenize"), (IncrementalDetokenizer, "flush", "detokenize")]
     originals = []
