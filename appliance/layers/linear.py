@@ -77,20 +77,17 @@ class Linear(LinearBase):
         # native backend folds into the GEMM (rows interleaved at packing; see forward_silu_mul).
         self.silu_mul_next = False
         self._order: torch.Tensor | None = None  # row order of a native gate/up packing
+        self._unorder: torch.Tensor | None = None  # its inverse (plain forward of such a layer)
+        self._packed_bias: torch.Tensor | None = None  # the bias in the packed row order
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
             if self.backend == "native":
-                y = _native().gemm_f32(x, self._packed, self._bias_packed(), self.out_features)
+                y = _native().gemm_f32(x, self._packed, self._packed_bias, self.out_features)
                 # rows interleaved for silu_mul: put the columns back (not the MLP's path)
-                return y if self._order is None else y[..., torch.argsort(self._order)]
+                return y if self._unorder is None else y[..., self._unorder]
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
-
-    def _bias_packed(self) -> torch.Tensor | None:
-        if self.bias is None or self._order is None:
-            return self.bias
-        return self._bias_ordered
 
     @property
     def fused_silu_mul(self) -> bool:
@@ -98,7 +95,7 @@ class Linear(LinearBase):
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of this [gate; up] projection in one native GEMM (``fused_silu_mul``)."""
-        return _native().gemm_f32(x, self._packed, self._bias_packed(), self.out_features, silu_mul=True)
+        return _native().gemm_f32(x, self._packed, self._packed_bias, self.out_features, silu_mul=True)
 
     @property
     def shape_key(self) -> str:
@@ -116,12 +113,14 @@ class Linear(LinearBase):
                 raise ValueError("linear backend native needs float32 weights on the CPU and the native "
                                  "kernel extension (python -m appliance.ops.native --build)")
             w = self.weight.data
+            self._packed_bias = None if self.bias is None else self.bias.data
             if name == "native" and self.silu_mul_next and not self.keep_weight:
                 self._order = _native().gate_up_order(self.out_features // 2) if self.out_features % 2 == 0 else None
                 if self._order is not None:
+                    self._unorder = torch.argsort(self._order)
                     w = w[self._order]
                     if self.bias is not None:
-                        self._bias_ordered = self.bias.data[self._order].contiguous()
+                        self._packed_bias = self.bias.data[self._order].contiguous()
             self._packed = _pack_onednn(w) if name == "onednn" else _native().pack_f32(w)
             if not self.keep_weight:  # the checkpoint layout is no longer needed for the forward pass
                 self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
