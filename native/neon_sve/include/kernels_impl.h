@@ -543,9 +543,9 @@ static void gemm_w8g_a8(const W8GArgs& a) {
 // split: each thread owns a contiguous run of panels (kSgemmPanel output columns, K deep, one
 // contiguous stretch of memory) and, for each, runs every row block of kSgemmMR rows through the
 // variant's micro-kernel while prefetching its next panel into L2, a slice per row block, so that
-// the DRAM reads overlap the FMAs. Rows are cut into passes of
-// kSgemmMB (the x block stays in L2); weights are prefetched on the first pass, later passes
-// find them in L2/L3.
+// the DRAM reads overlap the FMAs. With more than kSgemmMB rows (prefill) panels go in groups of
+// about kSgemmGroupBytes, which stay in L2 while every row block of x runs over them (x's rows then
+// come from L1), and the next group is prefetched meanwhile.
 //
 //   template <int MR> void sgemm_block(const float* A, int64_t lda, const float* B, int K,
 //       float* C, int64_t ldc, const float* bias, int nvalid, const char* pf, int pf_per4);
@@ -554,7 +554,8 @@ static void gemm_w8g_a8(const W8GArgs& a) {
 //     A variant defines AK_SGEMM_BLOCK when it has its own; else the portable one below.
 
 constexpr int kSgemmMR = 8;
-constexpr int kSgemmMB = 128;
+constexpr int kSgemmMB = 128;               // rows up to which every panel is its own group
+constexpr int64_t kSgemmGroupBytes = 512 << 10;  // panels per group beyond that: what fits in L2
 
 #ifndef AK_SGEMM_BLOCK
 template <int MR>
@@ -600,24 +601,26 @@ static void gemm_f32(const float* x, int64_t M, int64_t K, const float* wp, int6
     const int T = omp_get_num_threads(), t = omp_get_thread_num();
     alignas(64) float tile[MR * NR];  // a row block's gate|up panel before silu(gate) * up
     const int64_t p0 = P * t / T, p1 = P * (t + 1) / T;
-    for (int64_t m0 = 0; m0 < M; m0 += kSgemmMB) {
-      const int mb = (int)std::min<int64_t>(kSgemmMB, M - m0);
-      const int nrb = (mb + MR - 1) / MR;
-      // Lines of the next panel each row block prefetches, 4 k steps at a time.
-      const int per4 = iters ? (int)((lines + (int64_t)nrb * iters - 1) / ((int64_t)nrb * iters)) : 0;
-      for (int64_t p = p0; p < p1; ++p) {
-        const float* B = wp + p * panel;
-        const int nvalid = (int)std::min<int64_t>(NR, N - p * NR);
-        const char* next = (m0 == 0 && p + 1 < p1 && per4 > 0)
-                               ? reinterpret_cast<const char*>(wp + (p + 1) * panel) : nullptr;
-        for (int rb = 0; rb < nrb; ++rb) {
-          const int64_t r0 = m0 + (int64_t)rb * MR;
-          const int mr = (int)std::min<int64_t>(MR, M - r0);
-          const char* pf = nullptr;
-          if (next) {
-            const int64_t first = (int64_t)rb * iters * per4;  // first line of this slice
-            if (first < lines) pf = next + first * 64;
-          }
+    // Panels are taken in groups that stay in L2 (one panel when all rows fit one pass); for each
+    // group every row block of x runs over the group's panels, then the next group. While a group
+    // computes, the next one (contiguous: panels are adjacent) is prefetched a slice per call.
+    const int64_t gp = M <= kSgemmMB ? 1 : std::max<int64_t>(1, kSgemmGroupBytes / (panel * (int64_t)sizeof(float)));
+    const int64_t nrb = (M + MR - 1) / MR;
+    for (int64_t g0 = p0; g0 < p1; g0 += gp) {
+      const int64_t g1 = std::min(p1, g0 + gp);
+      const int64_t next_lines = (std::min(p1, g1 + gp) - g1) * lines;
+      const int64_t calls = nrb * (g1 - g0);
+      const int per4 = iters && next_lines ? (int)((next_lines + calls * iters - 1) / (calls * iters)) : 0;
+      const char* next = reinterpret_cast<const char*>(wp + g1 * panel);
+      int64_t c = 0;
+      for (int64_t rb = 0; rb < nrb; ++rb) {
+        const int64_t r0 = rb * MR;
+        const int mr = (int)std::min<int64_t>(MR, M - r0);
+        for (int64_t p = g0; p < g1; ++p, ++c) {
+          const float* B = wp + p * panel;
+          const int nvalid = (int)std::min<int64_t>(NR, N - p * NR);
+          const int64_t first = c * iters * per4;  // first line of this call's prefetch slice
+          const char* pf = per4 > 0 && first < next_lines ? next + first * 64 : nullptr;
           if (!silu_mul) {
             kBlocks[mr](x + r0 * K, K, B, (int)K, out + r0 * N + p * NR, N, bias ? bias + p * NR : nullptr,
                         nvalid, pf, per4);
