@@ -370,11 +370,14 @@ def rotary_embedding(
     cs = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
     cs = cs.contiguous()
     pos = positions.to(torch.int64).contiguous()
-    q = query.clone(memory_format=torch.contiguous_format)
-    k = key.clone(memory_format=torch.contiguous_format)
-    _ext.rotary_embedding_(pos, q, cs, bool(is_neox))
-    _ext.rotary_embedding_(pos, k, cs, bool(is_neox))
-    return q, k
+    out = []
+    for x in (query, key):
+        if x.stride(-1) != 1 or x.stride(1) != x.shape[-1]:  # heads not adjacent: make them so
+            x = x.contiguous()
+        o = torch.empty(x.shape, dtype=x.dtype)  # one pass: read x (a q/k/v view is fine), write o
+        _ext.rotary_embedding(pos, x, cs, bool(is_neox), o)
+        out.append(o)
+    return out[0], out[1]
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

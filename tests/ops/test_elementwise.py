@@ -109,12 +109,15 @@ def test_rotary_bf16_cache_and_views(variant):
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
     cache = reference.rotary_cos_sin_cache(inv_freq, 512, dtype=torch.bfloat16)
     positions = torch.arange(5, 12)
-    qkv = torch.randn(7, 12, 64)
-    q, k = qkv[:, :8], qkv[:, 8:10]  # views into a fused projection
-    qr, kr = reference.rotary_embedding(positions, q, k, cache, True)
-    qn, kn = native.rotary_embedding(positions, q, k, cache, True)
-    torch.testing.assert_close(qn, qr, **F32_TOL)
-    torch.testing.assert_close(kn, kr, **F32_TOL)
+    for t in (7, 1):  # a decode step's single token too
+        qkv = torch.randn(t, 12 * 64)  # the model's fused q/k/v output, split and viewed as heads
+        q, k = qkv[:, :8 * 64].view(t, 8, 64), qkv[:, 8 * 64:10 * 64].view(t, 2, 64)
+        before = qkv.clone()
+        qr, kr = reference.rotary_embedding(positions[:t], q, k, cache, True)
+        qn, kn = native.rotary_embedding(positions[:t], q, k, cache, True)  # read in place, one pass
+        assert torch.equal(qkv, before)
+        torch.testing.assert_close(qn, qr, **F32_TOL)
+        torch.testing.assert_close(kn, kr, **F32_TOL)
 
 
 # --- SiLU and mul -----------------------------------------------------------------------------

@@ -96,17 +96,24 @@ void fused_add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const t
                           residual.numel() / hidden, hidden, (float)eps);
 }
 
-void rotary_embedding_(const torch::Tensor& positions, torch::Tensor& x, const torch::Tensor& cos_sin,
-                       bool is_neox) {
-  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "rotary: x contiguous [num_tokens, num_heads, head_size]");
+// x [num_tokens, num_heads, head_size] with heads adjacent (a view into a fused q/k/v output is
+// fine) rotated into out (contiguous, same shape and dtype; may be x itself when x is contiguous).
+void rotary_embedding(const torch::Tensor& positions, const torch::Tensor& x, const torch::Tensor& cos_sin,
+                      bool is_neox, torch::Tensor& out) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "rotary: x [num_tokens, num_heads, head_size], heads adjacent");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && out.scalar_type() == x.scalar_type(),
+              "rotary: out contiguous, x's shape and dtype");
+  TORCH_CHECK(out.data_ptr() != x.data_ptr() || x.is_contiguous(), "rotary: in place needs a contiguous x");
   TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() &&
                   positions.numel() == x.size(0), "rotary: positions int64 [num_tokens]");
   TORCH_CHECK(cos_sin.scalar_type() == torch::kFloat32 && cos_sin.is_contiguous() && cos_sin.dim() == 2,
               "rotary: cos_sin_cache float32 [max_position, rotary_dim]");
   const int rot_dim = (int)cos_sin.size(1);
   TORCH_CHECK(rot_dim % 2 == 0 && rot_dim <= x.size(2), "rotary: rotary_dim even and <= head_size");
-  K()->rotary_embedding(positions.data_ptr<int64_t>(), x.data_ptr(), dtype_of(x, "x"), x.size(0),
-                        (int)x.size(1), (int)x.size(2), cos_sin.data_ptr<float>(), rot_dim, is_neox);
+  K()->rotary_embedding(positions.data_ptr<int64_t>(), x.data_ptr(), x.size(0) > 1 ? x.stride(0) : x.size(1) * x.size(2),
+                        out.data_ptr(), dtype_of(x, "x"), x.size(0), (int)x.size(1), (int)x.size(2),
+                        cos_sin.data_ptr<float>(), rot_dim, is_neox);
 }
 
 void silu_and_mul(const torch::Tensor& x, torch::Tensor& out) {
@@ -211,7 +218,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exp_", &exp_);
   m.def("rms_norm", &rms_norm);
   m.def("fused_add_rms_norm", &fused_add_rms_norm);
-  m.def("rotary_embedding_", &rotary_embedding_);
+  m.def("rotary_embedding", &rotary_embedding);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("reshape_and_cache", &reshape_and_cache);
   m.def("gemm_w8g_a8", &gemm_w8g_a8);

@@ -322,7 +322,7 @@ void check_rows(const std::vector<const KernelTable*>& variants) {
     for (size_t i = 0; i < qx.size(); ++i) qx.set(i, rng.normal());
     Buf rope_ref[2] = {qx, qx};
     for (int neox = 0; neox < 2; ++neox)
-      gen->rotary_embedding(pos.data(), rope_ref[neox].data(), dt, T, H, HD, cs.data(), RD, neox == 1);
+      gen->rotary_embedding(pos.data(), rope_ref[neox].data(), H * HD, rope_ref[neox].data(), dt, T, H, HD, cs.data(), RD, neox == 1);
     // reshape_and_cache: 9 tokens, 2 kv heads, head 64, block 5, one padding slot
     const int NT = 9, KH = 2, KD = 64, BS = 5, NB = 4;
     Buf kin(NT * KH * KD, dt), vin(NT * KH * KD, dt);
@@ -361,7 +361,7 @@ void check_rows(const std::vector<const KernelTable*>& variants) {
       report(close_enough(as_vec(s2), as_vec(sref), tol, tol, &err), kt->name, std::string("silu_and_mul ") + dn, err);
       for (int neox = 0; neox < 2; ++neox) {
         Buf q2 = qx;
-        kt->rotary_embedding(pos.data(), q2.data(), dt, T, H, HD, cs.data(), RD, neox == 1);
+        kt->rotary_embedding(pos.data(), q2.data(), H * HD, q2.data(), dt, T, H, HD, cs.data(), RD, neox == 1);
         report(close_enough(as_vec(q2), as_vec(rope_ref[neox]), tol, tol, &err), kt->name,
                std::string("rotary ") + (neox ? "neox " : "gptj ") + dn, err);
       }

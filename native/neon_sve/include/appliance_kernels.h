@@ -74,11 +74,13 @@ struct KernelTable {
   void (*fused_add_rms_norm)(const void* x, int x_dtype, void* residual, int r_dtype,
                              const void* w, int w_dtype, void* out, int64_t rows,
                              int64_t hidden, float eps);
-  // In place on x [num_tokens, num_heads, head_size] (contiguous); cos_sin is float32
-  // [max_position, rot_dim] (cos half then sin half); neox rotates halves, gptj pairs.
-  void (*rotary_embedding)(const int64_t* positions, void* x, int x_dtype, int64_t num_tokens,
-                           int num_heads, int head_size, const float* cos_sin, int rot_dim,
-                           bool is_neox);
+  // x [num_tokens, num_heads, head_size] (token stride x_stride_token elements, heads adjacent)
+  // rotated into out [num_tokens, num_heads, head_size] (contiguous; may be x when x is
+  // contiguous); dims past rot_dim copied. cos_sin is float32 [max_position, rot_dim] (cos half
+  // then sin half); neox rotates halves, gptj pairs.
+  void (*rotary_embedding)(const int64_t* positions, const void* x, int64_t x_stride_token, void* out,
+                           int x_dtype, int64_t num_tokens, int num_heads, int head_size,
+                           const float* cos_sin, int rot_dim, bool is_neox);
   // out[r, :d] = silu(x[r, :d]) * x[r, d:], x rows of 2d.
   void (*silu_and_mul)(const void* x, void* out, int dtype, int64_t rows, int64_t d);
   // key/value [num_tokens, num_kv_heads, head_size] (token/head strides in elements) into slots.

@@ -374,23 +374,22 @@ static void fused_add_rms_norm(const void* x, int x_dtype, void* residual, int r
   }
 }
 
-static void rotary_embedding(const int64_t* positions, void* x, int x_dtype, int64_t num_tokens,
-                             int num_heads, int head_size, const float* cos_sin, int rot_dim,
-                             bool is_neox) {
+static void rotary_embedding(const int64_t* positions, const void* x, int64_t x_stride_token, void* out,
+                             int x_dtype, int64_t num_tokens, int num_heads, int head_size,
+                             const float* cos_sin, int rot_dim, bool is_neox) {
   const int half = rot_dim / 2;
 #pragma omp parallel if (num_tokens * num_heads * head_size > (1 << 15))
   {
-    FloatBuf buf((size_t)rot_dim * 2);
+    FloatBuf buf((size_t)head_size * 2);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < num_tokens; ++t) {
       const float* cs = cos_sin + positions[t] * rot_dim;
       const float* cosv = cs;
       const float* sinv = cs + half;
       for (int h = 0; h < num_heads; ++h) {
-        const int64_t off = (t * num_heads + h) * (int64_t)head_size;
         float* v = buf.data();
-        float* o = v + rot_dim;
-        load_row(x, x_dtype, off, v, rot_dim);
+        float* o = v + head_size;
+        load_row(x, x_dtype, t * x_stride_token + (int64_t)h * head_size, v, head_size);
         if (is_neox) {
           for (int i = 0; i < half; ++i) {
             const float x1 = v[i], x2 = v[i + half];
@@ -404,7 +403,8 @@ static void rotary_embedding(const int64_t* positions, void* x, int x_dtype, int
             o[2 * i + 1] = x2 * cosv[i] + x1 * sinv[i];
           }
         }
-        store_row(x, x_dtype, off, o, rot_dim);
+        for (int i = rot_dim; i < head_size; ++i) o[i] = v[i];
+        store_row(out, x_dtype, (t * num_heads + h) * (int64_t)head_size, o, head_size);
       }
     }
   }
