@@ -122,7 +122,7 @@ static void run_item(const AttentionArgs& a, const Item& it, int cap, float* ws,
     for (int b = 0; b * BS < cw; ++b) {
       const int cb = c + b * BS;
       const int cp = cb + kPrefetchBlocks * BS;
-      if (cp < it.c1) {
+      if (kPrefetchBlocks > 0 && cp < it.c1) {
         // Blocks are scattered, so the hardware prefetcher (which stops at page boundaries)
         // cannot see the next tiles coming: fetch one kPrefetchBlocks ahead (K and V).
         const char* pk = reinterpret_cast<const char*>(kc + tile_of(cp, it.h0));
