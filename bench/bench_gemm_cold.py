@@ -66,11 +66,17 @@ def main():
         t.add_row(str(r["rows"]), f"{r['onednn_ms']:.2f}", f"{r['onednn_gflops']:.0f}", f"{r['native_ms']:.2f}",
                   f"{r['native_gflops']:.0f}", f"{r['native_speedup']:.2f}x")
     Console().print(t)
-    Console().print(f"kernels: {native.kernel_variant()} | threads: {torch.get_num_threads()}")
+    from appliance.runtime.cpu_features import detect
+
+    f = detect()
+    mach = {"cpu": f.model_name, "arch": f.arch, "isa": [x for x in ("avx2", "avx512f", "avx512_bf16", "asimd", "sve", "bf16", "i8mm")
+                                                         if f.has(x)], "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+    Console().print(f"kernels: {native.kernel_variant()} | {mach}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "gemm_cold", "layers": L, "shapes": SHAPES, "variant": native.kernel_variant(),
-                       "threads": torch.get_num_threads(), "torch": torch.__version__, "results": rows_out}, f, indent=2)
+            json.dump({"benchmark": "gemm_cold", "machine": mach, "layers": L, "shapes": SHAPES,
+                       "variant": native.kernel_variant(), "results": rows_out}, f, indent=2)
 
 
 if __name__ == "__main__":
