@@ -31,8 +31,10 @@ def top_logprobs(logprobs_row: torch.Tensor, token_id: int, k: int) -> dict[int,
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0):
+    def __init__(self, device: torch.device, seed: int = 0, argmax=None):
+        """``argmax``: the ops backend's row argmax (greedy rows); torch's by default."""
         self.device = device
+        self._argmax = argmax or (lambda x: x.argmax(dim=-1))
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
@@ -86,7 +88,7 @@ class Sampler:
         token_ids = [0] * n
         greedy = [i for i in range(n) if reqs[i].sampling_params.greedy]
         if greedy:
-            g = logits[greedy].argmax(dim=-1).tolist() if len(greedy) < n else logits.argmax(dim=-1).tolist()
+            g = self._argmax(logits[greedy] if len(greedy) < n else logits).tolist()
             for i, t in zip(greedy, g):
                 token_ids[i] = t
         random_rows = [i for i in range(n) if not reqs[i].sampling_params.greedy]

@@ -166,5 +166,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of the first maximum along the last dim (a NaN counts as the maximum), int64."""
+    return x.argmax(dim=-1)
+
+
 def softmax_scale(head_size: int) -> float:
     return 1.0 / math.sqrt(head_size)

@@ -85,6 +85,7 @@ def test_harness_under_qemu(arm_build, profile):
         assert len(re.findall(rf"^PASS {v}\s+w8g ", r.stdout, re.M)) == 4, v
         assert len(re.findall(rf"^PASS {v}\s+gemm_f32 M", r.stdout, re.M)) == 5, v  # the float panel GEMM
         assert len(re.findall(rf"^PASS {v}\s+gemm_f32 silu_mul ", r.stdout, re.M)) == 2, v  # + silu(gate) * up
+        assert re.search(rf"^PASS {v}\s+argmax_rows ", r.stdout, re.M), v  # greedy sampling's row argmax
 
 
 def disassemble(obj: Path) -> str:

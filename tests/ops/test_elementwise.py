@@ -132,3 +132,39 @@ def test_silu_and_mul(variant, dtype, shape):
     ref = reference.silu_and_mul(x)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     torch.testing.assert_close(out, ref, **tol(dtype))
+
+
+# --- argmax over rows (greedy sampling): exactly torch.argmax ----------------------------------
+
+
+@pytest.mark.parametrize("shape", [(64, 49152), (1, 49152), (3, 17), (5, 1), (2, 1000)], ids=str)
+def test_argmax_rows_matches_torch(variant, shape):
+    g = torch.Generator().manual_seed(shape[0] * 131 + shape[1])
+    x = torch.randn(*shape, generator=g)
+    assert torch.equal(native.argmax(x), torch.argmax(x, dim=-1))
+
+
+def test_argmax_rows_ties_inf_nan_and_strides(variant):
+    x = torch.randn(6, 300)
+    x[0, 7] = x[0, 250] = 100.0  # tie: the first one wins
+    x[1] = float("-inf")  # all -inf: index 0
+    x[2, 5] = float("inf")
+    x[3, 40] = float("nan")  # NaN counts as the maximum, as torch.argmax
+    x[3, 41] = 1e30
+    x[4, 299] = 50.0  # last element
+    x[5, 0] = 50.0  # first element
+    want = torch.argmax(x, dim=-1)
+    assert want.tolist()[:4] == [7, 0, 5, 40]
+    assert torch.equal(native.argmax(x), want)
+    wide = torch.randn(6, 512)
+    wide[:, :300] = x
+    view = wide[:, :300]  # rows 512 apart
+    assert not view.is_contiguous()
+    assert torch.equal(native.argmax(view), want)
+
+
+def test_argmax_falls_back_for_other_inputs():
+    x = torch.randn(4, 33, dtype=torch.bfloat16)
+    assert torch.equal(native.argmax(x), torch.argmax(x, dim=-1))
+    x3 = torch.randn(2, 3, 40)
+    assert torch.equal(native.argmax(x3), torch.argmax(x3, dim=-1))

@@ -44,6 +44,23 @@ def test_gemm_f32_matches_fp64(variant, shape):
         _check(native.gemm_f32(x, wp, b, n), x, w, b)
 
 
+# Outputs of 8 MiB or more (decode logits) are written with streaming stores where the variant has
+# them: whole aligned panels only, the rest (a tail panel, a row stride off 64 bytes) as usual.
+# n: every panel whole; a 16-column tail panel; a row stride that is not a multiple of 64 bytes.
+@pytest.mark.parametrize("n", [32768 + 32, 32768 + 48, 32768 + 8], ids=str)
+def test_gemm_f32_large_output(variant, n):
+    g = torch.Generator().manual_seed(n)
+    k = 24
+    w = torch.randn(n, k, generator=g) * 0.05
+    b = torch.randn(n, generator=g)
+    wp = native.pack_f32(w)
+    for m in (64, 67):
+        assert m * n * 4 >= 8 << 20
+        x = torch.randn(m, k, generator=g)
+        _check(native.gemm_f32(x, wp, b, n), x, w, b)
+        _check(native.gemm_f32(x, wp, None, n), x, w, None)
+
+
 def test_gemm_f32_no_rows_and_batched_input(variant):
     w = torch.randn(40, 24)
     wp = native.pack_f32(w)

@@ -194,6 +194,16 @@ torch::Tensor gemm_f32(const torch::Tensor& x, const torch::Tensor& wp, const c1
   return out;
 }
 
+// Index of each row's first maximum (greedy sampling over float32 logits [rows, n]).
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1 && x.size(1) > 0,
+              "argmax_rows: x float32 [rows, n > 0] with unit stride along n");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));
+  if (x.size(0) > 0)
+    K()->argmax_rows(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0), out.data_ptr<int64_t>());
+  return out;
+}
+
 bool cpu_has(const std::string& name) { return ak::cpu_has(name.c_str()); }
 
 std::string kernel_variant() { return K()->name; }
@@ -224,6 +234,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_w8g_a8", &gemm_w8g_a8);
   m.def("gemm_f32", &gemm_f32, pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("n"), pybind11::arg("silu_mul") = false);
+  m.def("argmax_rows", &argmax_rows);
   m.def("cpu_has", &cpu_has);
   m.def("kernel_variant", &kernel_variant);
   m.def("available_variants", &available_variants);

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -493,6 +494,35 @@ void check_sgemm(const std::vector<const KernelTable*>& variants) {
   }
 }
 
+// Row argmax (greedy sampling): the first maximum; ties, -inf rows, NaN (counts as the maximum) and a
+// row stride wider than the row.
+void check_argmax(const std::vector<const KernelTable*>& variants) {
+  const int rows = 6, n = 301, ld = 320;
+  Rng rng(5);
+  std::vector<float> x((size_t)rows * ld);
+  for (auto& v : x) v = rng.normal();
+  x[7] = x[250] = 100.f;                                                   // row 0: tie -> 7
+  for (int i = 0; i < n; ++i) x[(size_t)ld + i] = -std::numeric_limits<float>::infinity();  // row 1 -> 0
+  x[2 * ld + 300] = std::numeric_limits<float>::infinity();                // row 2 -> 300 (tail)
+  x[3 * ld + 40] = std::numeric_limits<float>::quiet_NaN();                // row 3 -> 40
+  x[3 * ld + 41] = 1e30f;
+  x[4 * ld + n] = 1e30f;                                                   // past the row: ignored
+  std::vector<int64_t> want(rows);
+  for (int r = 0; r < rows; ++r) {
+    const float* p = x.data() + (size_t)r * ld;
+    int64_t best = 0;
+    for (int i = 1; i < n; ++i)
+      if (!(p[best] != p[best]) && (p[i] != p[i] || p[i] > p[best])) best = i;
+    want[r] = best;
+  }
+  for (const KernelTable* kt : variants) {
+    std::vector<int64_t> out(rows, -1);
+    kt->argmax_rows(x.data(), rows, n, ld, out.data());
+    report(out == want && want[0] == 7 && want[1] == 0 && want[2] == 300 && want[3] == 40, kt->name,
+           "argmax_rows ties/-inf/NaN/stride", 0);
+  }
+}
+
 std::vector<std::string> split(const char* s) {
   std::vector<std::string> out;
   std::string cur;
@@ -537,6 +567,7 @@ int main(int argc, char** argv) {
   check_attention(variants);
   check_w8g(variants);
   check_sgemm(variants);
+  check_argmax(variants);
   std::printf("checks: %d, failures: %d\nRESULT: %s\n", g_checks, g_failures, g_failures ? "FAIL" : "OK");
   return g_failures ? 1 : 0;
 }

@@ -98,6 +98,9 @@ struct KernelTable {
   // p * 16 + j from panel p (the MLP's gate/up GEMM and silu_and_mul in one pass).
   void (*gemm_f32)(const float* x, int64_t M, int64_t K, const float* wp, int64_t N,
                    const float* bias, float* out, int act);
+  // out[r] = index of the first maximum of row r (x[r * ld .. r * ld + n)); a row holding NaN gives
+  // its first NaN, as torch.argmax. Rows in parallel: the greedy sampler's logits.
+  void (*argmax_rows)(const float* x, int64_t rows, int64_t n, int64_t ld, int64_t* out);
 };
 
 // Output columns per prepacked panel of gemm_f32 (the layout is the same for every variant).
