@@ -113,3 +113,36 @@ def test_choice_text_length_end_that_completes_a_stop_string_is_a_stop(tok):
     ct = ChoiceText(tok, [], _params(stop=["END"]))
     ct.update(ids, "length", None)
     assert (ct.finish_reason, ct.stop_reason, ct.text) == ("stop", "END", "abc ")
+
+
+def test_fast_decoder_equals_transformers_decode(tok):
+    # The Rust decode the detokenizer calls directly must give exactly transformers' decode (clean-up
+    # off), special tokens kept or skipped.
+    from appliance.engine.detokenizer import _fast_decoder
+
+    fast = _fast_decoder(tok)
+    assert fast is not None, type(tok)
+    ids = tok.encode(TEXTS[0] + " " + TEXTS[2], add_special_tokens=False)
+    specials = [i for i in tok.all_special_ids if i is not None][:2]
+    assert specials
+    for seq in (ids, specials + ids[:5] + specials + ids[5:], ids[3:4]):
+        for skip in (True, False):
+            assert fast(seq, skip_special_tokens=skip) == tok.decode(
+                seq, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+def test_fast_decoder_declines_overridden_decode(tok):
+    from appliance.engine.detokenizer import _fast_decoder
+
+    class Custom(type(tok)):
+        def decode(self, *a, **k):  # a subclass with its own decoding keeps it
+            return "custom"
+
+    t = Custom.__new__(Custom)
+    t.__dict__.update(tok.__dict__)
+    assert _fast_decoder(t) is None
+    word = tok.encode("hello", add_special_tokens=False)
+    assert tok.decode(word)  # a token with text: the library's decode would emit it
+    d = IncrementalDetokenizer(t, [], skip_special_tokens=True)
+    d.add_tokens(word)
+    assert d.text == ""  # "custom" decodes every prefix the same: nothing new
