@@ -106,9 +106,52 @@ class ByteBuf {
   uint8_t* p_;
 };
 
+// A software prefetch stream over up to kMaxRuns contiguous runs of run_bytes each (the next
+// chunk's K or V tiles of paged attention), issued a block's worth of lines at a time between the
+// compute calls, so that fetching the next chunk overlaps the arithmetic on this one.
+struct PrefetchStream {
+  static constexpr int kMaxRuns = 64;
+  const char* run[kMaxRuns];
+  int nruns = 0;
+  int64_t run_bytes = 0;
+  int r = 0;
+  int64_t off = 0;
+  void reset(int64_t bytes) {
+    nruns = 0;
+    r = 0;
+    off = 0;
+    run_bytes = bytes;
+  }
+  void add(const void* p) {
+    if (nruns < kMaxRuns) run[nruns++] = static_cast<const char*>(p);
+  }
+  __attribute__((always_inline)) inline void issue(int lines) {
+    while (lines > 0 && r < nruns) {
+      const int64_t left = (run_bytes - off + 63) >> 6;
+      const int k = lines < left ? lines : (int)left;
+      const char* p = run[r] + off;
+      for (int i = 0; i < k; ++i) __builtin_prefetch(p + 64 * i, 0, 3);
+      lines -= k;
+      off += 64 * (int64_t)k;
+      if (off >= run_bytes) {
+        off = 0;
+        ++r;
+      }
+    }
+  }
+};
+
 inline int max_threads() {
 #ifdef _OPENMP
   return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+inline int team_size() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
 #else
   return 1;
 #endif

@@ -36,10 +36,10 @@ using namespace ::appliance_kernels::common;
 constexpr int kPartitionTokens = 512;
 constexpr int kMinPartitionTokens = 128;
 constexpr int kMaxTileRows = 64;
-#ifndef AK_PREFETCH_BLOCKS
-#define AK_PREFETCH_BLOCKS 1
+#ifndef AK_PREFETCH
+#define AK_PREFETCH 1
 #endif
-constexpr int kPrefetchBlocks = AK_PREFETCH_BLOCKS;
+constexpr bool kPrefetch = AK_PREFETCH != 0;  // AK_PREFETCH=0 builds without the software prefetch
 
 // Blocks per softmax chunk: about 16 KiB of K per chunk (so the chunk's K and V stay in L1/L2),
 // at least one block. Context partitions are whole chunks long.
@@ -65,8 +65,8 @@ struct Merge {
 // Rows of an item: KV head hh (relative to h0) major, then query token, then head of the group:
 // r = (hh * nq + qi) * G + g, so each KV head's rows are contiguous (Mh = nq * G of them).
 template <class KT>
-static void run_item(const AttentionArgs& a, const Item& it, int cap, float* ws, float* part_acc,
-                     float* part_ml) {
+static void run_item(const AttentionArgs& a, const Item& it, const Item* next, int cap, float* ws,
+                     float* part_acc, float* part_ml) {
   const int G = a.num_heads / a.num_kv_heads;
   const int D = a.head_size, BS = a.block_size;
   const int q_begin = a.query_start_loc[it.seq];
@@ -115,23 +115,37 @@ static void run_item(const AttentionArgs& a, const Item& it, int cap, float* ws,
   // heads reads each block's K (and V) as one contiguous run of num_kv_heads tiles.
   const int64_t tile = (int64_t)BS * D;
   auto tile_of = [&](int pos, int h) { return ((int64_t)bt[pos / BS] * a.num_kv_heads + h) * tile; };
-  // Heads h0..h1 of a block are adjacent tiles; at most 32 KiB ahead (large blocks).
-  const int64_t run_bytes = std::min<int64_t>((int64_t)nh * tile * sizeof(KT), 32768);
+  // Software prefetch one chunk ahead: while Q.K^T runs over this chunk's K, the next chunk's K
+  // (this item's, or the first chunk of the thread's next item) is fetched a block's worth per
+  // block; the same for V during P.V. Blocks are scattered, so the hardware prefetcher (which stops
+  // at page boundaries) cannot see them coming; spreading the fetches over the chunk, instead of
+  // one burst per block, keeps the core computing while they are in flight.
+  PrefetchStream pfk, pfv;
+  auto plan = [&](int c) {
+    const Item* src = &it;
+    int cn = c + W;
+    if (cn >= it.c1) {
+      src = next;
+      cn = next ? next->c0 : 0;
+    }
+    const int64_t run = src ? (int64_t)(src->h1 - src->h0) * tile * (int64_t)sizeof(KT) : 0;
+    pfk.reset(run);
+    pfv.reset(run);
+    if (!src) return;
+    const int32_t* sbt = a.block_table + (int64_t)src->seq * a.block_table_stride;
+    for (int pos = cn; pos < std::min(src->c1, cn + W); pos += BS) {
+      const int64_t off = ((int64_t)sbt[pos / BS] * a.num_kv_heads + src->h0) * tile;
+      pfk.add(kc + off);
+      pfv.add(vc + off);
+    }
+  };
+  const int block_lines = (int)(((int64_t)nh * tile * (int64_t)sizeof(KT) + 63) / 64);
   for (int c = it.c0; c < it.c1; c += W) {
     const int cw = std::min(W, it.c1 - c);
+    if (kPrefetch) plan(c);
     for (int b = 0; b * BS < cw; ++b) {
       const int cb = c + b * BS;
-      const int cp = cb + kPrefetchBlocks * BS;
-      if (kPrefetchBlocks > 0 && cp < it.c1) {
-        // Blocks are scattered, so the hardware prefetcher (which stops at page boundaries)
-        // cannot see the next tiles coming: fetch one kPrefetchBlocks ahead (K and V).
-        const char* pk = reinterpret_cast<const char*>(kc + tile_of(cp, it.h0));
-        const char* pv = reinterpret_cast<const char*>(vc + tile_of(cp, it.h0));
-        for (int64_t off = 0; off < run_bytes; off += 64) {
-          __builtin_prefetch(pk + off);
-          __builtin_prefetch(pv + off);
-        }
-      }
+      pfk.issue(block_lines);
       const int n = std::min(BS, cw - b * BS);
       for (int hh = 0; hh < nh; ++hh)
         qk_tile<KT>(Q + (int64_t)hh * Mh * D, qpack_of(hh), Mh, kc + tile_of(cb, it.h0 + hh), n, D,
@@ -166,6 +180,7 @@ static void run_item(const AttentionArgs& a, const Item& it, int cap, float* ws,
       l[r] += sum;
     }
     for (int b = 0; b * BS < cw; ++b) {
+      pfv.issue(block_lines);
       const int n = std::min(BS, cw - b * BS);
       for (int hh = 0; hh < nh; ++hh)
         pv_tile<KT>(acc + (int64_t)hh * Mh * D, Mh, S + (int64_t)hh * Mh * W + b * BS, W,
@@ -302,9 +317,13 @@ static void paged_attention_kt(const AttentionArgs& a) {
 #pragma omp parallel if (num_items > 1)
   {
     FloatBuf ws((size_t)ws_floats);
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < num_items; ++i)
-      run_item<KT>(a, items[i], cap, ws.data(), part_acc.data(), part_ml.data());
+    // The static schedule's contiguous range, spelled out so that each item knows the thread's next.
+    const int nt = team_size(), t = thread_id();
+    const int64_t lo = num_items * t / nt, hi = num_items * (t + 1) / nt;
+    for (int64_t i = lo; i < hi; ++i)
+      run_item<KT>(a, items[i], i + 1 < hi ? &items[i + 1] : nullptr, cap, ws.data(), part_acc.data(),
+                   part_ml.data());
+#pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < num_merges; ++i)
       merge_partials(a, merges[i], part_acc.data(), part_ml.data(), ws.data());
