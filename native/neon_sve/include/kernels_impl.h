@@ -373,6 +373,23 @@ static inline float sum_squares(const float* x, int64_t n) {
 
 static void rms_norm(const void* x, int x_dtype, const void* w, int w_dtype, void* out,
                      int64_t rows, int64_t hidden, float eps) {
+  if (x_dtype == kF32 && w_dtype == kF32) {
+    const float* xf = static_cast<const float*>(x);
+    const float* wt = static_cast<const float*>(w);
+    float* of = static_cast<float*>(out);
+#pragma omp parallel for schedule(static) if (rows * hidden > (1 << 15))
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xi = xf + r * hidden;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < hidden; ++i) ss += xi[i] * xi[i];
+      const float inv = 1.f / std::sqrt(ss / (float)hidden + eps);
+      float* o = of + r * hidden;
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) o[i] = (xi[i] * inv) * wt[i];
+    }
+    return;
+  }
   FloatBuf wf((size_t)hidden);
   load_row(w, w_dtype, 0, wf.data(), hidden);
 #pragma omp parallel if (rows * hidden > (1 << 15))
@@ -393,6 +410,30 @@ static void rms_norm(const void* x, int x_dtype, const void* w, int w_dtype, voi
 static void fused_add_rms_norm(const void* x, int x_dtype, void* residual, int r_dtype,
                                const void* w, int w_dtype, void* out, int64_t rows, int64_t hidden,
                                float eps) {
+  if (x_dtype == kF32 && r_dtype == kF32 && w_dtype == kF32) {
+    // float32 (the common case): two passes over each row in place, no staging copies.
+    const float* xf = static_cast<const float*>(x);
+    float* rf = static_cast<float*>(residual);
+    const float* wt = static_cast<const float*>(w);
+    float* of = static_cast<float*>(out);
+#pragma omp parallel for schedule(static) if (rows * hidden > (1 << 15))
+    for (int64_t r = 0; r < rows; ++r) {
+      float* res = rf + r * hidden;
+      const float* xi = xf + r * hidden;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < hidden; ++i) {
+        const float v = res[i] + xi[i];
+        res[i] = v;
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / (float)hidden + eps);
+      float* o = of + r * hidden;
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) o[i] = (res[i] * inv) * wt[i];
+    }
+    return;
+  }
   FloatBuf wf((size_t)hidden);
   load_row(w, w_dtype, 0, wf.data(), hidden);
 #pragma omp parallel if (rows * hidden > (1 << 15))
@@ -427,6 +468,22 @@ static void rotary_embedding(const int64_t* positions, const void* x, int64_t x_
       const float* cs = cos_sin + positions[t] * rot_dim;
       const float* cosv = cs;
       const float* sinv = cs + half;
+      if (x_dtype == kF32 && is_neox) {  // float32 neox (the common case): straight from x to out
+        const float* xt = static_cast<const float*>(x) + t * x_stride_token;
+        float* ot = static_cast<float*>(out) + t * num_heads * (int64_t)head_size;
+        for (int h = 0; h < num_heads; ++h) {
+          const float* v = xt + (int64_t)h * head_size;
+          float* o = ot + (int64_t)h * head_size;
+#pragma omp simd
+          for (int i = 0; i < half; ++i) {
+            const float x1 = v[i], x2 = v[i + half];
+            o[i] = x1 * cosv[i] - x2 * sinv[i];
+            o[i + half] = x2 * cosv[i] + x1 * sinv[i];
+          }
+          for (int i = rot_dim; i < head_size; ++i) o[i] = v[i];
+        }
+        continue;
+      }
       for (int h = 0; h < num_heads; ++h) {
         float* v = buf.data();
         float* o = v + head_size;
