@@ -51,7 +51,8 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def measure(self, candidates: list[str], rows, timer) -> dict[str, float]:
-        """Seconds per candidate, summed over ``rows`` (batch sizes), on random weights of this shape."""
+        """Cost per candidate (``relative_cost``: lower is better) over ``rows`` (batch sizes), on
+        random weights of this shape."""
         raise NotImplementedError
 
     def set_backend(self, name: str) -> None:
@@ -181,7 +182,29 @@ def _evict_caches() -> None:
         _SCRATCH.fill_(1)
 
 
-def _time(fn, reps: int = 5) -> float:
+_ROUNDS = 3  # interleaved rounds of timing per (candidate, batch size)
+
+
+def relative_cost(fns: dict[str, dict[int, object]], timer) -> dict[str, float]:
+    """Time ``fns[candidate][rows]()`` for every candidate and batch size, interleaved (round after
+    round over all of them, so that a drift in the machine's speed hits every candidate alike; a
+    shared host here moves 10-30% within a minute), keep each one's best, and score each candidate by
+    the sum over batch sizes of its time relative to the fastest at that size. Every batch size then
+    counts alike: a raw sum of seconds would let the largest (prefill) decide alone, and decode
+    steps, where most of the time goes, differ most. Lower is better; the fastest everywhere scores
+    ``len(rows)``."""
+    best: dict[str, dict[int, float]] = {c: {} for c in fns}
+    for _ in range(_ROUNDS):
+        for c, per in fns.items():
+            for m, f in per.items():
+                t = timer(f)
+                best[c][m] = min(best[c].get(m, float("inf")), t)
+    sizes = {m for per in best.values() for m in per}
+    ref = {m: min(best[c][m] for c in best if m in best[c]) for m in sizes}
+    return {c: sum(t / max(ref[m], 1e-12) for m, t in per.items()) for c, per in best.items()}
+
+
+def _time(fn, reps: int = 2) -> float:
     """Best of ``reps`` calls of ``fn``, each started with cold caches."""
     fn()
     best = float("inf")
@@ -195,7 +218,7 @@ def _time(fn, reps: int = 5) -> float:
 
 def measure(weight: torch.Tensor, candidates: list[str], rows=_PROBE_ROWS, timer=None,
             silu_mul: bool = False) -> dict[str, float]:
-    """Summed best-of-5 seconds of each candidate over the probe batch sizes, on this weight's shape.
+    """Each candidate's ``relative_cost`` over the probe batch sizes, on this weight's shape.
     ``silu_mul``: the layer is an MLP's [gate; up] projection, always followed by silu_and_mul; each
     candidate is timed with it (the native GEMM does it in its epilogue, the others as the op)."""
     timer = timer or _time
@@ -207,7 +230,7 @@ def measure(weight: torch.Tensor, candidates: list[str], rows=_PROBE_ROWS, timer
         from appliance.ops import get_ops
 
         act = get_ops("auto").silu_and_mul
-    out = {}
+    fns = {}
     with torch.inference_mode():
         for name in candidates:
             if name == "onednn":
@@ -224,8 +247,8 @@ def measure(weight: torch.Tensor, candidates: list[str], rows=_PROBE_ROWS, timer
             if act is not None and not (name == "native" and order is not None):
                 f = lambda x, f=f: act(f(x))
             xs = {m: torch.randn(m, k, dtype=w.dtype, device=w.device) for m in rows}  # not timed
-            out[name] = sum(timer(lambda f=f, x=xs[m]: f(x)) for m in rows)
-    return out
+            fns[name] = {m: (lambda f=f, x=xs[m]: f(x)) for m in rows}
+        return relative_cost(fns, timer)
 
 
 def _choice_cache_path():
@@ -275,7 +298,8 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
         if ckey not in cache or cache[ckey] not in cands:
             times = m.measure(cands, _PROBE_ROWS, _time)
             cache[ckey] = min(times, key=times.get)
-            log.info("linear %s: %s -> %s", key, {k: f"{v * 1e3:.2f}ms" for k, v in times.items()}, cache[ckey])
+            log.info("linear %s: relative cost %s -> %s", key, {k: f"{v:.2f}" for k, v in times.items()},
+                     cache[ckey])
             dirty = True
         choices[key] = cache[ckey]
     if dirty:

@@ -67,7 +67,7 @@ import platform
 import torch
 from torch import nn
 
-from appliance.layers.linear import LinearBase
+from appliance.layers.linear import LinearBase, relative_cost
 
 SCHEMES = ("w8a8", "w4a8")
 BACKENDS = {
@@ -356,12 +356,12 @@ class QuantLinear(LinearBase):
         qw, s, *zp = quantize_int8(w) if self.scheme == "w8a8" else quantize_int4(w, self.group_size)
         if self.scheme == "w8a8" and self.group_size != k:  # time the layer's own group size
             s = s.repeat_interleave(k // self.group_size, dim=1)
-        out = {}
+        fns = {}
         for name in candidates:
             p = pack(name, qw, s, *zp)
             xs = {m: torch.randn(m, k) for m in rows}  # not timed
-            out[name] = sum(timer(lambda x=xs[m], b=name, p=p: run(b, p, x, n, k)) for m in rows)
-        return out
+            fns[name] = {m: (lambda x=xs[m], b=name, p=p: run(b, p, x, n, k)) for m in rows}
+        return relative_cost(fns, timer)
 
     def set_backend(self, name: str) -> None:
         if self.qweight.numel() == 0:

@@ -1,0 +1,43 @@
+"""How ``auto`` compares linear backends: interleaved rounds, each batch size counted alike."""
+from __future__ import annotations
+
+from appliance.layers import linear
+
+
+def _fake(times: dict[tuple[str, int], list[float]], calls: list):
+    """fns and a timer: each call of fns[c][m] is answered by the next of times[(c, m)]."""
+    fns = {}
+    for (c, m) in times:
+        fns.setdefault(c, {})[m] = (c, m)
+    left = {k: list(v) for k, v in times.items()}
+
+    def timer(f):
+        calls.append(f)
+        return left[f].pop(0)
+
+    return fns, timer
+
+
+def test_every_batch_size_counts_alike():
+    # B is 10% faster at 256 rows, A twice as fast at one row: a raw sum of seconds (102 vs 111)
+    # would pick B; relative to the fastest at each size, A costs 1 + 1.1 and B 2 + 1.
+    r = linear._ROUNDS
+    calls = []
+    fns, timer = _fake({("A", 1): [1.0] * r, ("A", 256): [110.0] * r,
+                        ("B", 1): [2.0] * r, ("B", 256): [100.0] * r}, calls)
+    cost = linear.relative_cost(fns, timer)
+    assert abs(cost["A"] - 2.1) < 1e-9 and abs(cost["B"] - 3.0) < 1e-9
+    assert min(cost, key=cost.get) == "A"
+
+
+def test_rounds_are_interleaved_and_keep_each_best():
+    # The machine slows down from one round to the next: timing A's rounds before B's would blame
+    # B for it. Interleaved, each keeps its best (first-round) time and equal kernels tie.
+    r = linear._ROUNDS
+    assert r >= 2
+    calls = []
+    slow = [1.0 * (1 + i) for i in range(r)]
+    fns, timer = _fake({("A", 8): list(slow), ("B", 8): list(slow)}, calls)
+    cost = linear.relative_cost(fns, timer)
+    assert calls == [("A", 8), ("B", 8)] * r
+    assert cost == {"A": 1.0, "B": 1.0}
