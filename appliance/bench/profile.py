@@ -54,6 +54,10 @@ class _OpsProxy:
 
     def __init__(self, ops, timers: _Timers):
         self._ops = ops
+        # Per-op buckets need the per-op path: the model's one-call native decoder stack
+        # (ops.native.llama_layers, the same kernels) would put everything in other_forward. The
+        # profiled run therefore also carries the Python between ops that the fused call saves.
+        self.FUSED_LAYERS = False
         for name in ("rotary_embedding", "silu_and_mul", "rms_norm", "fused_add_rms_norm"):
             if hasattr(ops, name):
                 setattr(self, name, timers.wrap("norm_rotary_act", getattr(ops, name)))

@@ -161,6 +161,10 @@ class Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def _or(t: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
+    return default if t is None else t
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -187,11 +191,73 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
         ops = self.ops
         x = self.model.embed_tokens(input_ids)
+        fused = self._fused_layers()
+        if fused is not None:
+            return fused(x, positions)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(ops, self.rotary, positions, x, residual)
         x, _ = self.model.norm(ops, x, residual)
         return x
+
+    def _fused_layers(self):
+        """The whole decoder stack as one native call (``ops.native.llama_layers``), or None. Only when
+        the per-op path would run every op natively in float32 anyway: native ops with FUSED_LAYERS,
+        every q/k/v, o, gate/up and down projection a float ``Linear`` on the native GEMM (gate/up
+        with its silu epilogue), float32 norms, KV caches and rotary table, head_dim a multiple of 16."""
+        ops = self.ops
+        if not getattr(ops, "FUSED_LAYERS", False) or not hasattr(ops, "llama_layers"):
+            return None
+        from appliance.layers.forward_context import get_forward_context
+
+        ctx = get_forward_context()
+        first = self.model.layers[0].self_attn
+        key = (id(ctx.kv_caches), id(first.qkv_proj._packed), id(self.model.layers[-1].mlp.down_proj._packed))
+        plan = self.__dict__.get("_fused_plan")
+        if plan is None or plan[0] != key:
+            plan = (key, self._build_fused_plan(ctx.kv_caches))
+            self.__dict__["_fused_plan"] = plan
+        flat = plan[1]
+        if flat is None:
+            return None
+        cfg, md = self.config, ctx.attn
+        attn0 = self.model.layers[0].self_attn.attn
+        return lambda x, positions: ops.llama_layers(
+            x, positions, flat, self.model.norm.weight, cfg.rms_norm_eps, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, attn0.scale, self.rotary.cos_sin_cache,
+            md.slot_mapping, md.block_table, md.seq_lens, md.query_start_loc)
+
+    def _build_fused_plan(self, kv_caches) -> list[torch.Tensor] | None:
+        cfg = self.config
+        f32 = torch.float32
+        if cfg.head_dim % 16 or cfg.num_attention_heads % cfg.num_key_value_heads or self.rotary is None:
+            return None
+        if self.rotary.cos_sin_cache.dtype != f32 or self.rotary.cos_sin_cache.device.type != "cpu":
+            return None
+        if self.model.norm.weight.dtype != f32 or len(kv_caches) != len(self.model.layers):
+            return None
+        empty = torch.empty(0)
+        flat: list[torch.Tensor] = []
+        for layer, (kc, vc) in zip(self.model.layers, kv_caches):
+            at, mlp = layer.self_attn, layer.mlp
+            lins = (at.qkv_proj, at.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(type(m) is not Linear or m.backend != "native" or m._packed is None for m in lins):
+                return None
+            if not mlp.gate_up_proj.fused_silu_mul or at.o_proj.bias is not None:
+                return None
+            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if at.qk_norm:
+                norms += [at.q_norm.weight, at.k_norm.weight]
+            if any(w.dtype != f32 for w in norms) or kc.dtype != f32 or vc.dtype != f32:
+                return None
+            if not (kc.is_contiguous() and vc.is_contiguous()):
+                return None
+            flat += [layer.input_layernorm.weight, at.qkv_proj._packed, _or(at.qkv_proj._packed_bias, empty),
+                     at.q_norm.weight if at.qk_norm else empty, at.k_norm.weight if at.qk_norm else empty,
+                     at.o_proj._packed, layer.post_attention_layernorm.weight, mlp.gate_up_proj._packed,
+                     _or(mlp.gate_up_proj._packed_bias, empty), mlp.down_proj._packed,
+                     _or(mlp.down_proj._packed_bias, empty), kc, vc]
+        return flat
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> float32 logits [n, vocab]."""

@@ -102,3 +102,50 @@ def test_prepacked_linear_matches_transformers(tiny_model_dir, arch, tie, linear
         with torch.no_grad():
             want = hf(torch.tensor([p])).logits[0, -1].float()
         torch.testing.assert_close(engine_logits(llm, p), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch,tie,kv", [("llama", True, 2), ("llama", False, 1), ("qwen2", False, 2),
+                                         ("qwen3", False, 2)])
+def test_fused_native_layers_match_per_op_path_and_transformers(tiny_model_dir, arch, tie, kv, monkeypatch):
+    """Every linear on the native GEMM and native ops: the decoder stack runs as one native call
+    (ops.native.llama_layers; q/k/v bias of Qwen2, q/k norm of Qwen3, MQA). It gives transformers'
+    greedy tokens and logits (1e-4), and exactly the per-op path's logits: the same kernels in the
+    same order."""
+    from appliance.ops import native
+
+    assert native.is_available(), native.unavailable_reason()
+    calls = []
+    real = native.llama_layers
+    monkeypatch.setattr(native, "llama_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    path = tiny_model_dir(arch, tie, kv)
+    llm = LLM(str(path), dtype="float32", linear_backend="native", attention_backend="native", num_kv_blocks=128)
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(p) for p in PROMPTS]
+    outs = llm.generate(prompt_token_ids=ids,
+                        sampling_params=SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    steps = len(calls)
+    assert steps >= MAX_NEW  # every step (prefill and decode) went through the fused call
+    hf, ref = hf_greedy(path, ids, MAX_NEW)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    for p in ids:
+        fused = engine_logits(llm, p)
+        with torch.no_grad():
+            want = hf(torch.tensor([p])).logits[0, -1].float()
+        torch.testing.assert_close(fused, want, atol=1e-4, rtol=0)
+        monkeypatch.setattr(native, "FUSED_LAYERS", False)
+        per_op = engine_logits(llm, p)
+        monkeypatch.setattr(native, "FUSED_LAYERS", True)
+        assert torch.equal(fused, per_op)
+    assert len(calls) == steps + len(ids)  # the per-op probes did not call it
+
+
+def test_fused_native_layers_only_when_every_linear_is_native(tiny_model_dir, monkeypatch):
+    from appliance.ops import native
+
+    calls = []
+    real = native.llama_layers
+    monkeypatch.setattr(native, "llama_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    llm = LLM(str(tiny_model_dir("llama", False, 2)), dtype="float32", linear_backend="onednn",
+              attention_backend="native", num_kv_blocks=128)
+    llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=3, ignore_eos=True))
+    assert calls == []

@@ -204,6 +204,76 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
+// Every decoder layer of a Llama-family model (Llama, Mistral, Qwen2, Qwen3: pre-norm, fused
+// q/k/v with optional bias, optional per-head q/k RMSNorm, neox rotary, paged attention, o_proj,
+// fused gate/up GEMM with silu(gate) * up, down) in one call, through the same functions as the
+// per-op path (appliance/models/llama.py) and in its order, so the results are the same. What it
+// saves is the Python between ops: ~10-25 us per op, ~4 ms of a 64-sequence decode step of the
+// default model. layers: kLayerEntries tensors per layer, an empty tensor where the layer has none:
+//   input_norm_w, qkv_wp, qkv_bias, q_norm_w, k_norm_w, o_wp, post_norm_w, gate_up_wp (packed for
+//   silu_mul), gate_up_bias, down_wp, down_bias, key_cache, value_cache.
+// Returns the final norm of the last hidden states, [num_tokens, hidden].
+constexpr size_t kLayerEntries = 13;
+
+torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& positions,
+                           const std::vector<torch::Tensor>& layers, const torch::Tensor& final_norm_w, double eps,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
+                           double scale, const torch::Tensor& cos_sin, const torch::Tensor& slot_mapping,
+                           const torch::Tensor& block_table, const torch::Tensor& seq_lens,
+                           const torch::Tensor& query_start_loc) {
+  TORCH_CHECK(!layers.empty() && layers.size() % kLayerEntries == 0, "llama_layers: ", kLayerEntries,
+              " tensors per layer, got ", layers.size());
+  TORCH_CHECK(embeds.dim() == 2 && embeds.scalar_type() == torch::kFloat32, "llama_layers: embeds float32 [T, hidden]");
+  const int64_t T = embeds.size(0), hidden = embeds.size(1);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv_n = q_size + 2 * kv_size;
+  const auto pos = positions.to(torch::kInt64).contiguous();
+  const auto slots = slot_mapping.to(torch::kInt64).contiguous();
+  const auto bt = block_table.to(torch::kInt32).contiguous();
+  const auto sl = seq_lens.to(torch::kInt32).contiguous();
+  const auto qsl = query_start_loc.to(torch::kInt32).contiguous();
+  const auto cs = cos_sin.to(torch::kFloat32).contiguous();
+  auto opt = [](const torch::Tensor& t) { return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt; };
+  auto head_norm = [&](const torch::Tensor& x, const torch::Tensor& w) {  // Qwen3's q/k RMSNorm
+    const auto xc = x.contiguous();
+    auto out = torch::empty_like(xc);
+    rms_norm(xc, w, eps, out);
+    return out;
+  };
+  torch::Tensor residual = embeds.contiguous().clone();
+  torch::Tensor h = torch::empty_like(residual);
+  rms_norm(residual, layers[0], eps, h);
+  for (size_t l = 0; l < layers.size() / kLayerEntries; ++l) {
+    const torch::Tensor* p = &layers[l * kLayerEntries];
+    torch::Tensor kc = p[11], vc = p[12];
+    if (l > 0) {
+      auto hn = torch::empty_like(residual);
+      fused_add_rms_norm(h, residual, p[0], eps, hn);
+      h = hn;
+    }
+    const auto qkv = gemm_f32(h, p[1], opt(p[2]), qkv_n, false);
+    torch::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
+    torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
+    const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
+    if (p[3].numel()) q = head_norm(q, p[3]);
+    if (p[4].numel()) k = head_norm(k, p[4]);
+    auto qr = torch::empty({T, num_heads, head_dim}, embeds.options());
+    auto kr = torch::empty({T, num_kv_heads, head_dim}, embeds.options());
+    rotary_embedding(pos, q, cs, true, qr);
+    rotary_embedding(pos, k, cs, true, kr);
+    reshape_and_cache(kr, v, kc, vc, slots);
+    auto attn = torch::empty({T, num_heads, head_dim}, embeds.options());
+    paged_attention(qr, kc, vc, bt, sl, qsl, scale, attn);
+    const auto o = gemm_f32(attn.view({T, q_size}), p[5], c10::nullopt, hidden, false);
+    auto hn = torch::empty_like(residual);
+    fused_add_rms_norm(o, residual, p[6], eps, hn);
+    const auto act = gemm_f32(hn, p[7], opt(p[8]), 2 * intermediate, true);
+    h = gemm_f32(act, p[9], opt(p[10]), hidden, false);
+  }
+  auto out = torch::empty_like(residual);
+  fused_add_rms_norm(h, residual, final_norm_w, eps, out);
+  return out;
+}
+
 bool cpu_has(const std::string& name) { return ak::cpu_has(name.c_str()); }
 
 std::string kernel_variant() { return K()->name; }
@@ -235,6 +305,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_f32", &gemm_f32, pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("n"), pybind11::arg("silu_mul") = false);
   m.def("argmax_rows", &argmax_rows);
+  m.def("llama_layers", &llama_layers);
   m.def("cpu_has", &cpu_has);
   m.def("kernel_variant", &kernel_variant);
   m.def("available_variants", &available_variants);
