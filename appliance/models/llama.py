@@ -161,10 +161,6 @@ class Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-def _or(t: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
-    return default if t is None else t
-
-
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -202,62 +198,80 @@ class LlamaForCausalLM(nn.Module):
 
     def _fused_layers(self):
         """The whole decoder stack as one native call (``ops.native.llama_layers``), or None. Only when
-        the per-op path would run every op natively in float32 anyway: native ops with FUSED_LAYERS,
-        every q/k/v, o, gate/up and down projection a float ``Linear`` on the native GEMM (gate/up
-        with its silu epilogue), float32 norms, KV caches and rotary table, head_dim a multiple of 16."""
+        the per-op path would run every op natively anyway: native ops with FUSED_LAYERS, every q/k/v,
+        o, gate/up and down projection a float ``Linear`` (native GEMM, oneDNN or torch backend), norms,
+        KV caches and activations of one dtype the kernels take (float32 or bfloat16), a float32 rotary
+        table, head_dim a multiple of 16."""
         ops = self.ops
         if not getattr(ops, "FUSED_LAYERS", False) or not hasattr(ops, "llama_layers"):
             return None
         from appliance.layers.forward_context import get_forward_context
 
         ctx = get_forward_context()
-        first = self.model.layers[0].self_attn
-        key = (id(ctx.kv_caches), id(first.qkv_proj._packed), id(self.model.layers[-1].mlp.down_proj._packed))
+        key = (id(ctx.kv_caches),) + tuple(id(getattr(m, "_packed", None)) for m in self._linears(0))
         plan = self.__dict__.get("_fused_plan")
         if plan is None or plan[0] != key:
-            plan = (key, self._build_fused_plan(ctx.kv_caches))
+            plan = (key, self._build_fused_plan(ctx.kv_caches, ops))
             self.__dict__["_fused_plan"] = plan
-        flat = plan[1]
-        if flat is None:
+        if plan[1] is None:
             return None
+        flat, kinds = plan[1]
         cfg, md = self.config, ctx.attn
-        attn0 = self.model.layers[0].self_attn.attn
+        scale = self.model.layers[0].self_attn.attn.scale
         return lambda x, positions: ops.llama_layers(
-            x, positions, flat, self.model.norm.weight, cfg.rms_norm_eps, cfg.num_attention_heads,
-            cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, attn0.scale, self.rotary.cos_sin_cache,
+            x, positions, flat, kinds, self.model.norm.weight, cfg.rms_norm_eps, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, scale, self.rotary.cos_sin_cache,
             md.slot_mapping, md.block_table, md.seq_lens, md.query_start_loc)
 
-    def _build_fused_plan(self, kv_caches) -> list[torch.Tensor] | None:
+    def _linears(self, i: int):
+        layer = self.model.layers[i]
+        return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+    def _build_fused_plan(self, kv_caches, ops):
         cfg = self.config
-        f32 = torch.float32
         if cfg.head_dim % 16 or cfg.num_attention_heads % cfg.num_key_value_heads or self.rotary is None:
             return None
-        if self.rotary.cos_sin_cache.dtype != f32 or self.rotary.cos_sin_cache.device.type != "cpu":
+        if self.rotary.cos_sin_cache.dtype != torch.float32 or self.rotary.cos_sin_cache.device.type != "cpu":
             return None
-        if self.model.norm.weight.dtype != f32 or len(kv_caches) != len(self.model.layers):
+        dt = self.model.norm.weight.dtype
+        if dt not in (torch.float32, torch.bfloat16) or len(kv_caches) != len(self.model.layers):
             return None
         empty = torch.empty(0)
         flat: list[torch.Tensor] = []
-        for layer, (kc, vc) in zip(self.model.layers, kv_caches):
+        kinds: list[int] = []
+        for i, (layer, (kc, vc)) in enumerate(zip(self.model.layers, kv_caches)):
             at, mlp = layer.self_attn, layer.mlp
-            lins = (at.qkv_proj, at.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(type(m) is not Linear or m.backend != "native" or m._packed is None for m in lins):
+            lins = self._linears(i)
+            if any(type(m) is not Linear or m.backend not in ops.LINEAR_KINDS for m in lins):
                 return None
-            if not mlp.gate_up_proj.fused_silu_mul or at.o_proj.bias is not None:
+            if any(m.backend != "torch" and m._packed is None for m in lins) or at.o_proj.bias is not None:
+                return None
+            gu = mlp.gate_up_proj
+            if gu.backend == "native" and not gu.fused_silu_mul:
+                return None
+            if any(m.backend == "native" and m._unorder is not None and m is not gu for m in lins):
                 return None
             norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             if at.qk_norm:
                 norms += [at.q_norm.weight, at.k_norm.weight]
-            if any(w.dtype != f32 for w in norms) or kc.dtype != f32 or vc.dtype != f32:
+            if any(w.dtype != dt for w in norms) or kc.dtype != dt or vc.dtype != dt:
                 return None
             if not (kc.is_contiguous() and vc.is_contiguous()):
                 return None
-            flat += [layer.input_layernorm.weight, at.qkv_proj._packed, _or(at.qkv_proj._packed_bias, empty),
+
+            def weight(m):
+                return m.weight if m.backend == "torch" else m._packed
+
+            def bias(m):
+                b = m._packed_bias if m.backend == "native" else m.bias
+                return empty if b is None else b
+
+            flat += [layer.input_layernorm.weight, weight(at.qkv_proj), bias(at.qkv_proj),
                      at.q_norm.weight if at.qk_norm else empty, at.k_norm.weight if at.qk_norm else empty,
-                     at.o_proj._packed, layer.post_attention_layernorm.weight, mlp.gate_up_proj._packed,
-                     _or(mlp.gate_up_proj._packed_bias, empty), mlp.down_proj._packed,
-                     _or(mlp.down_proj._packed_bias, empty), kc, vc]
-        return flat
+                     weight(at.o_proj), layer.post_attention_layernorm.weight, weight(gu), bias(gu),
+                     weight(mlp.down_proj), bias(mlp.down_proj), kc, vc]
+            kinds += [ops.LINEAR_KINDS[m.backend] for m in lins]
+        return flat, kinds
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> float32 logits [n, vocab]."""

@@ -139,13 +139,44 @@ def test_fused_native_layers_match_per_op_path_and_transformers(tiny_model_dir, 
     assert len(calls) == steps + len(ids)  # the per-op probes did not call it
 
 
-def test_fused_native_layers_only_when_every_linear_is_native(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("linear,dtype", [("onednn", "float32"), ("torch", "float32"), ("onednn", "bfloat16"),
+                                          ("native", "float32")])
+def test_fused_layers_equal_per_op_path_for_every_float_backend(tiny_model_dir, linear, dtype, monkeypatch):
+    """The one-call decoder stack takes every float linear backend (oneDNN's packed weights through
+    mkldnn::_linear_pointwise, F.linear, the native GEMM) and bfloat16 as well: the logits of every
+    step are bitwise the per-op path's, which runs the same functions one Python call at a time."""
     from appliance.ops import native
 
     calls = []
     real = native.llama_layers
     monkeypatch.setattr(native, "llama_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
-    llm = LLM(str(tiny_model_dir("llama", False, 2)), dtype="float32", linear_backend="onednn",
+    llm = LLM(str(tiny_model_dir("qwen2", False, 2)), dtype=dtype, linear_backend=linear,
               attention_backend="native", num_kv_blocks=128)
-    llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=3, ignore_eos=True))
-    assert calls == []
+    assert set(llm.engine.runner.linear_backends.values()) == {linear}
+    tok = llm.get_tokenizer()
+    for p in PROMPTS:
+        ids = tok.encode(p)
+        fused = engine_logits(llm, ids)
+        monkeypatch.setattr(native, "FUSED_LAYERS", False)
+        per_op = engine_logits(llm, ids)
+        monkeypatch.setattr(native, "FUSED_LAYERS", True)
+        assert torch.equal(fused, per_op), (linear, dtype)
+    assert len(calls) == len(PROMPTS)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ids = [tok.encode(p) for p in PROMPTS]
+    fused_out = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ids, sampling_params=sp)]
+    monkeypatch.setattr(native, "FUSED_LAYERS", False)
+    per_op_out = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ids, sampling_params=sp)]
+    assert fused_out == per_op_out
+
+
+def test_fused_layers_not_used_with_quantized_linears(tiny_model_dir, monkeypatch):
+    from appliance.ops import native
+
+    calls = []
+    real = native.llama_layers
+    monkeypatch.setattr(native, "llama_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    llm = LLM(str(tiny_model_dir("llama", False, 2)), dtype="float32", quantization="w8a8",
+              attention_backend="native", num_kv_blocks=128)
+    out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3 and calls == []

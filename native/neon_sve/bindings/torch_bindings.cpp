@@ -204,26 +204,49 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
+// A linear layer of llama_layers: how its weight was prepared by appliance/layers/linear.py.
+enum LinearKind : int64_t { kLinNative = 0, kLinOneDNN = 1, kLinTorch = 2 };
+
+// oneDNN's prepacked linear, as Linear.forward calls it (mkldnn::_linear_pointwise, attr "none").
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack st;
+  st.emplace_back(x);
+  st.emplace_back(w);
+  st.emplace_back(b.has_value() ? c10::IValue(*b) : c10::IValue());
+  st.emplace_back(std::string("none"));
+  st.emplace_back(c10::impl::GenericList(c10::OptionalType::create(c10::NumberType::get())));
+  st.emplace_back(std::string(""));
+  op.callBoxed(&st);
+  return st[0].toTensor();
+}
+
 // Every decoder layer of a Llama-family model (Llama, Mistral, Qwen2, Qwen3: pre-norm, fused
 // q/k/v with optional bias, optional per-head q/k RMSNorm, neox rotary, paged attention, o_proj,
-// fused gate/up GEMM with silu(gate) * up, down) in one call, through the same functions as the
-// per-op path (appliance/models/llama.py) and in its order, so the results are the same. What it
-// saves is the Python between ops: ~10-25 us per op, ~4 ms of a 64-sequence decode step of the
-// default model. layers: kLayerEntries tensors per layer, an empty tensor where the layer has none:
-//   input_norm_w, qkv_wp, qkv_bias, q_norm_w, k_norm_w, o_wp, post_norm_w, gate_up_wp (packed for
-//   silu_mul), gate_up_bias, down_wp, down_bias, key_cache, value_cache.
+// gate/up then silu(gate) * up, down) in one call, through the same functions as the per-op path
+// (appliance/models/llama.py) and in its order, so the results are the same. What it saves is the
+// Python between ops: ~10-25 us per op, ~4 ms of a 64-sequence decode step of the default model.
+// layers: kLayerEntries tensors per layer, an empty tensor where the layer has none:
+//   input_norm_w, qkv_w, qkv_bias, q_norm_w, k_norm_w, o_w, post_norm_w, gate_up_w, gate_up_bias,
+//   down_w, down_bias, key_cache, value_cache
+// kinds: 4 LinearKind per layer (q/k/v, o, gate/up, down). A native gate/up weight is packed for
+// the silu epilogue (its bias in the packed order); the others are followed by silu_and_mul.
 // Returns the final norm of the last hidden states, [num_tokens, hidden].
 constexpr size_t kLayerEntries = 13;
 
 torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& positions,
-                           const std::vector<torch::Tensor>& layers, const torch::Tensor& final_norm_w, double eps,
-                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
-                           double scale, const torch::Tensor& cos_sin, const torch::Tensor& slot_mapping,
-                           const torch::Tensor& block_table, const torch::Tensor& seq_lens,
-                           const torch::Tensor& query_start_loc) {
+                           const std::vector<torch::Tensor>& layers, const std::vector<int64_t>& kinds,
+                           const torch::Tensor& final_norm_w, double eps, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t intermediate, double scale, const torch::Tensor& cos_sin,
+                           const torch::Tensor& slot_mapping, const torch::Tensor& block_table,
+                           const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc) {
   TORCH_CHECK(!layers.empty() && layers.size() % kLayerEntries == 0, "llama_layers: ", kLayerEntries,
               " tensors per layer, got ", layers.size());
-  TORCH_CHECK(embeds.dim() == 2 && embeds.scalar_type() == torch::kFloat32, "llama_layers: embeds float32 [T, hidden]");
+  const size_t L = layers.size() / kLayerEntries;
+  TORCH_CHECK(kinds.size() == 4 * L, "llama_layers: 4 linear kinds per layer");
+  TORCH_CHECK(embeds.dim() == 2, "llama_layers: embeds [T, hidden]");
+  dtype_of(embeds, "embeds");
   const int64_t T = embeds.size(0), hidden = embeds.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv_n = q_size + 2 * kv_size;
   const auto pos = positions.to(torch::kInt64).contiguous();
@@ -233,6 +256,13 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
   const auto qsl = query_start_loc.to(torch::kInt32).contiguous();
   const auto cs = cos_sin.to(torch::kFloat32).contiguous();
   auto opt = [](const torch::Tensor& t) { return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt; };
+  auto linear = [&](int64_t kind, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                    int64_t n) -> torch::Tensor {
+    if (kind == kLinNative) return gemm_f32(x, w, opt(b), n, false);
+    if (kind == kLinOneDNN) return onednn_linear(x, w, opt(b));
+    TORCH_CHECK(kind == kLinTorch, "llama_layers: unknown linear kind ", kind);
+    return torch::linear(x, w, opt(b));
+  };
   auto head_norm = [&](const torch::Tensor& x, const torch::Tensor& w) {  // Qwen3's q/k RMSNorm
     const auto xc = x.contiguous();
     auto out = torch::empty_like(xc);
@@ -242,32 +272,40 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
   torch::Tensor residual = embeds.contiguous().clone();
   torch::Tensor h = torch::empty_like(residual);
   rms_norm(residual, layers[0], eps, h);
-  for (size_t l = 0; l < layers.size() / kLayerEntries; ++l) {
+  for (size_t l = 0; l < L; ++l) {
     const torch::Tensor* p = &layers[l * kLayerEntries];
+    const int64_t* kind = &kinds[4 * l];
     torch::Tensor kc = p[11], vc = p[12];
     if (l > 0) {
       auto hn = torch::empty_like(residual);
       fused_add_rms_norm(h, residual, p[0], eps, hn);
       h = hn;
     }
-    const auto qkv = gemm_f32(h, p[1], opt(p[2]), qkv_n, false);
+    const auto qkv = linear(kind[0], h, p[1], p[2], qkv_n);
     torch::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
     if (p[3].numel()) q = head_norm(q, p[3]);
     if (p[4].numel()) k = head_norm(k, p[4]);
-    auto qr = torch::empty({T, num_heads, head_dim}, embeds.options());
-    auto kr = torch::empty({T, num_kv_heads, head_dim}, embeds.options());
+    auto qr = torch::empty({T, num_heads, head_dim}, qkv.options());
+    auto kr = torch::empty({T, num_kv_heads, head_dim}, qkv.options());
     rotary_embedding(pos, q, cs, true, qr);
     rotary_embedding(pos, k, cs, true, kr);
     reshape_and_cache(kr, v, kc, vc, slots);
-    auto attn = torch::empty({T, num_heads, head_dim}, embeds.options());
+    auto attn = torch::empty({T, num_heads, head_dim}, qkv.options());
     paged_attention(qr, kc, vc, bt, sl, qsl, scale, attn);
-    const auto o = gemm_f32(attn.view({T, q_size}), p[5], c10::nullopt, hidden, false);
+    const auto o = linear(kind[1], attn.view({T, q_size}), p[5], torch::Tensor(), hidden);
     auto hn = torch::empty_like(residual);
     fused_add_rms_norm(o, residual, p[6], eps, hn);
-    const auto act = gemm_f32(hn, p[7], opt(p[8]), 2 * intermediate, true);
-    h = gemm_f32(act, p[9], opt(p[10]), hidden, false);
+    torch::Tensor act;
+    if (kind[2] == kLinNative) {
+      act = gemm_f32(hn, p[7], opt(p[8]), 2 * intermediate, true);
+    } else {
+      const auto gu = linear(kind[2], hn, p[7], p[8], 2 * intermediate);
+      act = torch::empty({T, intermediate}, gu.options());
+      silu_and_mul(gu, act);
+    }
+    h = linear(kind[3], act, p[9], p[10], hidden);
   }
   auto out = torch::empty_like(residual);
   fused_add_rms_norm(h, residual, final_norm_w, eps, out);
