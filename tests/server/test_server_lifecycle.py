@@ -1,5 +1,7 @@
 """Auth, the queue limit, abort on disconnect and SIGTERM, against live servers running a model
-slow enough (8 layers, hidden 512) that a long request is still in flight when the test acts."""
+slow enough (8 layers, hidden 512) that a long request is still in flight when the test acts: its
+long requests (1600 tokens, ~3 s at ~2 ms per token with the one-call native decoder stack) outlast
+the 1 s client timeouts and shutdown timeout the tests use several times over."""
 from __future__ import annotations
 
 import contextlib
@@ -19,7 +21,8 @@ SLOW_FLAGS = ("--served-model-name", "slow", "--dtype", "float32", "--num-kv-blo
 
 @pytest.fixture(scope="module")
 def slow_model_dir(tiny_model_dir):
-    return tiny_model_dir("llama", hidden_size=512, intermediate_size=2048, num_hidden_layers=8)
+    return tiny_model_dir("llama", hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
+                          max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,7 @@ def wait_idle(http, timeout: float = 30) -> None:
         time.sleep(0.1)
 
 
-def long_chat(max_tokens: int = 400) -> dict:
+def long_chat(max_tokens: int = 1600) -> dict:
     return {"model": "slow", "messages": [{"role": "user", "content": "Tell me everything."}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
 
@@ -181,7 +184,7 @@ def test_sigterm_aborts_after_shutdown_timeout_and_exits_0(start_server, slow_mo
     srv = start_server(slow_model_dir, *SLOW_FLAGS, "--shutdown-timeout", "1")
     events: list = []
     first = threading.Event()
-    t = _stream_in_thread(srv.base_url, long_chat(480), events, first)
+    t = _stream_in_thread(srv.base_url, long_chat(2000), events, first)
     assert first.wait(60), srv.output()
     t0 = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
