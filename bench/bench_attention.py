@@ -113,6 +113,11 @@ def main(argv=None) -> int:
         return 1
     bw = copy_bandwidth()
     rows = []
+    from appliance.bench.common import machine_description
+
+    host = machine_description()
+    print(f"machine: {host['cpu']} ({host['arch']}), {host['physical_cores']} cores, ISA {' '.join(host['isa'])}, "
+          f"torch {host['torch']}")
     print(f"kernels: {native.kernel_variant()} ({native.cpu_features()}), threads: {torch.get_num_threads()}")
     print(f"copy bandwidth (read+write): {bw:.1f} GB/s")
     hdr = (f"{'batch':>5} {'ctx':>5} | {'native ms':>9} {'GB/s':>6} {'%bw':>4} | {'ref ms':>8} {'x ref':>6} |"
@@ -137,6 +142,7 @@ def main(argv=None) -> int:
         "kernel_variant": native.kernel_variant(),
         "cpu_features": native.cpu_features(),
         "machine": platform.machine(),
+        "host": host,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "copy_bandwidth_gbps": bw,

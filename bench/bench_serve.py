@@ -193,10 +193,16 @@ def main() -> None:
         if proc is None:
             print("note: the server is still running during the offline run; both share the CPU", file=sys.stderr)
         offline = run_offline(model_path, engine_kwargs, prompts, args.output_len, counts)
+    from appliance.bench.common import machine_description
+
+    host = machine_description()
+    print(f"machine: {host['cpu']} ({host['arch']}), {host['physical_cores']} cores, ISA {' '.join(host['isa'])}, "
+          f"torch {host['torch']}")
     print_table(server_levels, offline)
     record = {"bench": "serve", "time": stamp, "url": url, "model": name, "model_path": model_path,
               "input_len": args.input_len, "output_len": args.output_len, "engine_flags": engine_kwargs,
-              "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
+              "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                       **host},
               "server": server_levels, "offline": {str(k): v for k, v in offline.items()}}
     out = args.out or results_dir / f"serve-{stamp}.json"
     out.write_text(json.dumps(record, indent=2))

@@ -161,6 +161,10 @@ class Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def _or_empty(t: torch.Tensor | None, empty: torch.Tensor) -> torch.Tensor:
+    return empty if t is None else t
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -249,8 +253,6 @@ class LlamaForCausalLM(nn.Module):
             gu = mlp.gate_up_proj
             if gu.backend == "native" and not gu.fused_silu_mul:
                 return None
-            if any(m.backend == "native" and m._unorder is not None and m is not gu for m in lins):
-                return None
             norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             if at.qk_norm:
                 norms += [at.q_norm.weight, at.k_norm.weight]
@@ -258,14 +260,8 @@ class LlamaForCausalLM(nn.Module):
                 return None
             if not (kc.is_contiguous() and vc.is_contiguous()):
                 return None
-
-            def weight(m):
-                return m.weight if m.backend == "torch" else m._packed
-
-            def bias(m):
-                b = m._packed_bias if m.backend == "native" else m.bias
-                return empty if b is None else b
-
+            weight = lambda m: m.weight if m.backend == "torch" else m._packed  # noqa: E731
+            bias = lambda m: _or_empty(m._packed_bias if m.backend == "native" else m.bias, empty)  # noqa: E731
             flat += [layer.input_layernorm.weight, weight(at.qkv_proj), bias(at.qkv_proj),
                      at.q_norm.weight if at.qk_norm else empty, at.k_norm.weight if at.qk_norm else empty,
                      weight(at.o_proj), layer.post_attention_layernorm.weight, weight(gu), bias(gu),

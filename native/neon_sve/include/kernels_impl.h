@@ -36,11 +36,6 @@ using namespace ::appliance_kernels::common;
 constexpr int kPartitionTokens = 512;
 constexpr int kMinPartitionTokens = 128;
 constexpr int kMaxTileRows = 64;
-#ifndef AK_PREFETCH
-#define AK_PREFETCH 1
-#endif
-constexpr bool kPrefetch = AK_PREFETCH != 0;  // AK_PREFETCH=0 builds without the software prefetch
-
 // Blocks per softmax chunk: about 32 KiB of K per chunk (the chunk's K and V stay in L2; the
 // prefetch runs one chunk ahead, and 32 KiB measured best for decode against 8, 16 and 64 KiB:
 // 14.5 vs 15.4 ms per step at 64 x ~190 tokens of the default model, steps alternating in one run),
@@ -144,7 +139,7 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
   const int block_lines = (int)(((int64_t)nh * tile * (int64_t)sizeof(KT) + 63) / 64);
   for (int c = it.c0; c < it.c1; c += W) {
     const int cw = std::min(W, it.c1 - c);
-    if (kPrefetch) plan(c);
+    plan(c);
     for (int b = 0; b * BS < cw; ++b) {
       const int cb = c + b * BS;
       pfk.issue(block_lines);
