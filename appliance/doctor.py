@@ -52,6 +52,8 @@ SCHEMA: dict = _obj({
     }),
     "kernels": _obj({"available": _B, "variant": _opt(_S), "variants": {"type": "array", "items": _S},
                      "reason": _opt(_S)}),
+    "linear_backends": {"type": "object", "additionalProperties": _obj({
+        "dtype": _S, "available": _B, "reason": _opt(_S)})},
     "allocator": _obj({
         "this_process": {"type": "object"},
         "mimalloc_found": _opt(_S), "mimalloc_version": _opt(_S), "serve_default": _S,
@@ -211,6 +213,26 @@ def _kernels() -> dict:
         return {"available": False, "variant": None, "variants": [], "reason": f"{type(e).__name__}: {e}"}
 
 
+def _linear_backends() -> dict:
+    """Every linear backend: whether it can run on this host (its dtype: float32 for the quantized
+    ones, which take float32 activations), and if not, why. A withdrawn backend is never a candidate
+    of ``auto`` and is refused when named."""
+    try:
+        import torch
+
+        from appliance.config import LINEAR_BACKENDS
+        from appliance.layers.linear import host_problem
+    except Exception as e:  # noqa: BLE001 - a broken torch is reported under "torch"
+        return {"error": {"dtype": "", "available": False, "reason": f"{type(e).__name__}: {e}"}}
+    out = {}
+    for name in LINEAR_BACKENDS[1:]:
+        for dtype in ((torch.float32, torch.bfloat16) if name in ("torch", "onednn", "native") else (torch.float32,)):
+            why = host_problem(name, dtype, torch.device("cpu"))
+            key = name if dtype == torch.float32 else f"{name}:bfloat16"
+            out[key] = {"dtype": str(dtype).removeprefix("torch."), "available": why is None, "reason": why}
+    return out
+
+
 def _allocator() -> dict:
     from appliance.runtime import allocator as a
 
@@ -269,6 +291,10 @@ def _problems(r: dict) -> list[dict]:
     if not r["kernels"]["available"]:
         add("warning", f"native kernels not available ({r['kernels']['reason']}): the engine uses the pure-torch "
             "reference ops", "python -m appliance.ops.native --build")
+    lb = r["linear_backends"]
+    if lb.get("w8a8_onednn", {}).get("available") is False and not t["error"]:
+        add("info", f"linear backend w8a8_onednn is withdrawn on this host: {lb['w8a8_onednn']['reason']}",
+            "nothing to do: W8A8 layers run on w8a8_native (auto never picks a withdrawn backend)")
     al = r["allocator"]
     if al["mimalloc_found"] is None:
         add("warning", "no libmimalloc found: `appliance serve` falls back to glibc malloc with tunables",
@@ -305,7 +331,8 @@ def _problems(r: dict) -> list[dict]:
 def doctor_report() -> dict:
     """Everything ``appliance doctor`` knows, as a JSON-safe dict that validates against SCHEMA."""
     r = {"schema_version": 1, "cpu": _cpu(), "cores": _cores(), "memory": _memory(), "torch": _torch(),
-         "kernels": _kernels(), "allocator": _allocator(), "libgomp": _libgomp(), "omp": _omp()}
+         "kernels": _kernels(), "linear_backends": _linear_backends(), "allocator": _allocator(),
+         "libgomp": _libgomp(), "omp": _omp()}
     r["problems"] = _problems(r)
     return r
 
@@ -338,6 +365,9 @@ def run_doctor(json: bool = False) -> int:
         gomp += f"\nserve preloads {g['preload_choice']} ({g['preload_reason']})"
     a = r["allocator"]
     rec = r["omp"]["recommended"]
+    lin = ", ".join(n for n, v in r["linear_backends"].items() if v["available"])
+    lin += "".join(f"\n[yellow]not here[/]: {n}: {v['reason']}" for n, v in r["linear_backends"].items()
+                   if not v["available"])
     tab = Table(title="appliance doctor", show_header=False, expand=False)
     tab.add_column(style="bold cyan")
     tab.add_column()
@@ -351,6 +381,7 @@ def run_doctor(json: bool = False) -> int:
                 if not t["error"] else f"[red]{t['error']}[/]")
     k = r["kernels"]
     tab.add_row("kernels", f"{k['variant']} (of {', '.join(k['variants'])})" if k["available"] else f"reference ({k['reason']})")
+    tab.add_row("linear backends", lin)
     tab.add_row("allocator", f"this process: {a['this_process']['name']}; serve uses {a['serve_default']}"
                 + (f" ({a['mimalloc_found']}, {a['mimalloc_version']})" if a["mimalloc_found"] else ""))
     tab.add_row("libgomp", gomp)

@@ -19,3 +19,45 @@ def engine_logits(llm, ids: list[int]) -> torch.Tensor:
     finally:
         eng.kv.free(req)
     return logits[0]
+
+
+def refusal_reason(backend: str, dtype: torch.dtype = torch.float32) -> str | None:
+    """None where this host runs linear backend ``backend`` for ``dtype`` layers. Elsewhere (a CPU
+    without the feature it needs, or an ISA cap) the reason, after asserting that the engine refuses
+    the backend by name with that reason and names the backends it has instead."""
+    import pytest
+    from torch import nn
+
+    from appliance.layers import quant
+    from appliance.layers.linear import Linear, host_problem, select_backends
+
+    why = host_problem(backend, dtype, torch.device("cpu"))
+    if why is None:
+        return None
+    lin = Linear(64, 32)
+    lin.weight.data = torch.randn(32, 64).to(dtype)
+    layer = lin
+    for scheme, names in quant.BACKENDS.items():
+        if backend in names:
+            layer = quant.QuantLinear.from_float(lin, scheme, 32)
+    with pytest.raises(ValueError) as e:
+        select_backends(nn.Sequential(layer), backend, dtype, torch.device("cpu"))
+    msg = str(e.value)
+    assert f"linear_backend={backend} " in msg and why in msg and "Available here: " in msg, msg
+    return why
+
+
+def skip_unless_backend(backend: str, dtype: torch.dtype = torch.float32) -> None:
+    """Run the calling test only where ``backend`` runs; elsewhere assert its refusal and skip, saying why."""
+    import pytest
+
+    why = refusal_reason(backend, dtype)
+    if why is not None:
+        pytest.skip(f"{backend} ({dtype}) is refused on this host, refusal asserted: {why}")
+
+
+def first_usable_backend(*names: str, dtype: torch.dtype = torch.float32) -> str:
+    """The first of ``names`` this host runs (for tests about something else than the backend)."""
+    from appliance.layers.linear import host_problem
+
+    return next(n for n in names if host_problem(n, dtype, torch.device("cpu")) is None)

@@ -33,6 +33,7 @@ from torch import nn
 log = logging.getLogger("appliance")
 
 from appliance.config import LINEAR_BACKENDS
+from appliance.errors import InvalidRequestError
 
 # Batch sizes (rows of x) a choice is timed at: single-sequence decode, batched decode, prefill.
 _PROBE_ROWS = (1, 32, 256)
@@ -151,8 +152,33 @@ def native_gemm_available(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def float_candidates(dtype: torch.dtype, device: torch.device) -> list[str]:
-    return (["torch"] + (["onednn"] if onednn_available(dtype, device) else [])
-            + (["native"] if native_gemm_available(dtype, device) else []))
+    return [b for b in FLOAT_BACKENDS if float_backend_problem(b, dtype, device) is None]
+
+
+def float_backend_problem(name: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why float backend ``name`` cannot run ``dtype`` layers on this host, or None."""
+    if name == "onednn" and not onednn_available(dtype, device):
+        if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return "torch is built without oneDNN (mkldnn)"
+        if dtype == torch.bfloat16:
+            return ("oneDNN's bfloat16 GEMM needs a CPU that computes bf16 natively: AVX512-BF16 or AMX on x86, "
+                    "BF16 (BFMMLA) on Arm")
+        return f"oneDNN takes float32 or bfloat16 layers, not {dtype}"
+    if name == "native" and not native_gemm_available(dtype, device):
+        if dtype != torch.float32 or device.type != "cpu":
+            return f"the native panel GEMM takes float32 layers on the CPU, not {dtype} on {device}"
+        return (f"the native kernel extension is not available ({_native().unavailable_reason()}); "
+                "build it with `python -m appliance.ops.native --build`")
+    return None
+
+
+def host_problem(name: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why linear backend ``name`` (float or quantized) cannot run on this host, or None."""
+    if name in FLOAT_BACKENDS:
+        return float_backend_problem(name, dtype, device)
+    from appliance.layers import quant
+
+    return quant.host_problem(name)
 
 
 def _pack_onednn(w: torch.Tensor) -> torch.Tensor:
@@ -251,6 +277,17 @@ def measure(weight: torch.Tensor, candidates: list[str], rows=_PROBE_ROWS, timer
         return relative_cost(fns, timer)
 
 
+ISA_CAP_VARS = ("APPLIANCE_KERNELS", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+
+
+def isa_caps() -> str:
+    """The ISA caps in force (native dispatcher override, oneDNN's and ATen's caps): choices timed
+    under one cap are not reused under another."""
+    import os
+
+    return ",".join(f"{v}={os.environ[v]}" for v in ISA_CAP_VARS if os.environ.get(v)) or "uncapped"
+
+
 def _choice_cache_path():
     from appliance.config import cache_dir
 
@@ -265,12 +302,16 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
     model; quantized layers when a float backend is forced) are chosen as under ``auto``. A name no
     layer can run is an error."""
     if requested not in LINEAR_BACKENDS:
-        raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}; got {requested!r}")
+        raise InvalidRequestError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}; got {requested!r}",
+                                  "linear_backend")
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
     if requested != "auto" and layers and not any(requested in m.candidates(dtype, device) for m in layers):
         kinds = sorted({getattr(m, "scheme", "float") for m in layers})
-        raise ValueError(f"linear_backend={requested} is not available for this model ({', '.join(kinds)} "
-                         f"layers, dtype {dtype}) on this CPU")
+        available = sorted({c for m in layers for c in m.candidates(dtype, device)})
+        why = host_problem(requested, dtype, device) or f"it does not run {', '.join(kinds)} layers with dtype {dtype}"
+        raise InvalidRequestError(f"linear_backend={requested} cannot run this model ({', '.join(kinds)} layers, "
+                                  f"dtype {dtype}) on this host: {why}. Available here: {', '.join(available)}",
+                                  "linear_backend")
     choices: dict[str, str] = {}
     cache, dirty, host = None, False, None
     for m in layers:
@@ -293,7 +334,7 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
                 cache = json.loads(_choice_cache_path().read_text())
             except (OSError, json.JSONDecodeError):
                 cache = {}
-            host = f"{detect().model_name}|{torch.__version__}|{torch.get_num_threads()}t|{dtype!s}"
+            host = f"{detect().model_name}|{isa_caps()}|{torch.__version__}|{torch.get_num_threads()}t|{dtype!s}"
         ckey = f"{host}|{key}"
         if ckey not in cache or cache[ckey] not in cands:
             times = m.measure(cands, _PROBE_ROWS, _time)

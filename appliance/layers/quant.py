@@ -62,6 +62,8 @@ performs (``reference``), which the tests hold it against:
 """
 from __future__ import annotations
 
+import functools
+import os
 import platform
 
 import torch
@@ -209,12 +211,57 @@ def _native_available() -> bool:
     return native.is_available()
 
 
+@functools.cache
+def onednn_int8_problem() -> str | None:
+    """None when oneDNN's int8 GEMM computes exactly here, else why not (``w8a8_onednn`` is then
+    withdrawn: never a candidate, refused when asked for by name).
+
+    x86 oneDNN multiplies u8 activations by s8 weights. With VNNI (AVX512-VNNI, AVX-VNNI, AMX) four
+    products go straight into an int32; without it (AVX2, or AVX512 capped below VNNI by
+    ``ONEDNN_MAX_CPU_ISA``) VPMADDUBSW sums each pair of products into a saturating int16, and
+    2 * 255 * 127 = 64770 does not fit: large activations times large weights are clipped to 32767
+    per pair. That is which kernel oneDNN runs, not something its API reports, so the worst case is
+    run through the backend itself: every activation quantized to the top of its range, every weight
+    +127 or -127, at batch sizes 1 to 64, against the exact integers."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")):
+        return "torch is built without oneDNN's quantized linear ops (torch.ops.onednn.qlinear_prepack)"
+    n, k = 32, 256
+    qw = torch.full((n, k), 127, dtype=torch.int8)
+    qw[n // 2:] = -127
+    p = pack("w8a8_onednn", qw, torch.ones(n, 1))
+    for m in (1, 4, 64):  # oneDNN picks its kernel by shape too
+        x = torch.ones(m, k)  # per-token range [0, 1]: every xq is 127 (u8 255 on x86)
+        got = run("w8a8_onednn", p, x, n, k)
+        want = reference("w8a8_onednn", x, qw, torch.ones(n, 1))
+        err = (got.double() - want).abs().max().item()
+        if not err <= 1e-4 * want.abs().max().item():
+            return (f"oneDNN's int8 GEMM is not exact on this CPU (worst-case probe at batch {m}: "
+                    f"{got[0, 0].item():.6g} for {want[0, 0].item():.6g}): without VNNI it sums pairs of u8 x s8 "
+                    f"products in saturating int16. It needs AVX512-VNNI, AVX-VNNI or AMX"
+                    + (f" (ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']} caps it below)"
+                       if os.environ.get("ONEDNN_MAX_CPU_ISA") else "")
+                    + " on x86; w8a8_native computes the same math exactly on every CPU")
+    return None
+
+
+def host_problem(backend: str) -> str | None:
+    """Why ``backend`` cannot run on this host (its CPU, torch build and ISA caps), or None."""
+    if backend == "w8a8_onednn":
+        return onednn_int8_problem()
+    if backend == "w8a8_native" and not _native_available():
+        from appliance.ops import native
+
+        return (f"the native kernel extension is not available ({native.unavailable_reason()}); "
+                "build it with `python -m appliance.ops.native --build`")
+    return None
+
+
 def backend_valid(backend: str, scheme: str, n: int, k: int, group_size: int) -> bool:
-    """Whether ``backend`` can run a ``scheme`` layer of ``[n, k]`` with this group size on this torch."""
+    """Whether ``backend`` can run a ``scheme`` layer of ``[n, k]`` with this group size on this host."""
     if backend not in BACKENDS[scheme]:
         return False
-    if backend == "w8a8_onednn":  # one scale per output channel
-        return group_size == k and torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
+    if backend == "w8a8_onednn":  # one scale per output channel; exact int8 on this CPU
+        return group_size == k and onednn_int8_problem() is None
     if backend == "w8a16_int8pack":
         return group_size == k
     if backend == "w8a8_native":

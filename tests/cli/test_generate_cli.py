@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from helpers import first_usable_backend
+
 from appliance import LLM, SamplingParams
 
 
@@ -45,7 +47,7 @@ def test_convert_cli_round_trip(llama_dir, tmp_path):
                         "--quantization", "w8a8"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    kw = dict(dtype="float32", num_kv_blocks=64, linear_backend="w8a8_onednn")
+    kw = dict(dtype="float32", num_kv_blocks=64, linear_backend=first_usable_backend("w8a8_onednn", "w8a8_native"))
     a = LLM(str(out), **kw).generate(["The quick brown fox"], sp)[0].outputs[0].token_ids
     b = LLM(str(llama_dir), quantization="w8a8", **kw).generate(["The quick brown fox"], sp)[0].outputs[0].token_ids
     assert a == b

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from appliance import LLM, SamplingParams
-from helpers import engine_logits
+from helpers import engine_logits, skip_unless_backend
 
 PROMPTS = [
     "The quick brown fox",
@@ -147,6 +147,7 @@ def test_fused_layers_equal_per_op_path_for_every_float_backend(tiny_model_dir, 
     step are bitwise the per-op path's, which runs the same functions one Python call at a time."""
     from appliance.ops import native
 
+    skip_unless_backend(linear, getattr(torch, dtype))
     calls = []
     real = native.llama_layers
     monkeypatch.setattr(native, "llama_layers", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import engine_logits
+from helpers import engine_logits, first_usable_backend, skip_unless_backend
 from safetensors.torch import load_file, save_file
 
 from appliance import LLM, SamplingParams
@@ -27,6 +27,7 @@ def _greedy(llm):
 @pytest.mark.parametrize("scheme,backend", [("w8a8", "w8a8_onednn"), ("w8a8", "w8a16_int8pack"), ("w8a8", "w8a8_native"),
                                             ("w4a8", "w4a8_dynquant"), ("w4a8", "w4a16_int4pack")])
 def test_convert_round_trip_identical(tiny_model_dir, tmp_path, scheme, backend):
+    skip_unless_backend(backend)
     src = tiny_model_dir("qwen2")  # q/k/v biases ride along unquantized
     fly = LLM(str(src), quantization=scheme, linear_backend=backend, **KW)
     dst = run_convert(src, tmp_path / "q", scheme, 32)
@@ -110,8 +111,9 @@ def _published_w4a16(src, dst, group=32):
 
 
 def test_published_w8a8_matches_on_the_fly(llama_dir, tmp_path):
-    ct = LLM(str(_published_w8a8(llama_dir, tmp_path / "ct")), linear_backend="w8a8_onednn", **KW)
-    fly = LLM(str(llama_dir), quantization="w8a8", linear_backend="w8a8_onednn", **KW)
+    backend = first_usable_backend("w8a8_onednn", "w8a8_native")
+    ct = LLM(str(_published_w8a8(llama_dir, tmp_path / "ct")), linear_backend=backend, **KW)
+    fly = LLM(str(llama_dir), quantization="w8a8", linear_backend=backend, **KW)
     a, b = engine_logits(ct, IDS), engine_logits(fly, IDS)
     # the same integers and scales up to how the scale is rounded (division vs multiplication)
     torch.testing.assert_close(a, b, atol=1e-4 * b.abs().max().item(), rtol=0)
