@@ -82,3 +82,36 @@ def test_w8g_backend_validity():
     assert quant.backend_valid("w8a16_int8pack", "w8a8", 64, 576, 576)
     assert quant.pack("w8a8_native", *_case(16, 576, None, 0))["group"] == 64
     assert quant.pack("w8a8_native", *_case(16, 1536, None, 0))["group"] == 256
+
+
+@pytest.mark.parametrize("pattern", ["all_max", "alternating_min_max", "random_extremes"])
+def test_w8g_gemm_worst_case_for_overflow(variant, pattern):
+    """The largest integer sums the kernel can meet, in its largest group (256): activations coded
+    127 (and -128) against weights 127 (and -128, -127), every product at its largest and of one sign
+    (no cancellation to hide a clipped partial sum), at decode and prefill rows. A pair sum in int16
+    (VPMADDUBSW on u8 255 x 127) or an int32 overflow would be off by far more than the tolerance."""
+    n, k, group = 48, 512, 256
+    even = torch.arange(k) % 2 == 0
+    if pattern == "all_max":
+        q = torch.full((n, k), 127, dtype=torch.int8)
+        q[n // 2:] = -127
+        x_row = torch.ones(k)
+    elif pattern == "alternating_min_max":
+        q = torch.where(even, 127, -128).to(torch.int8)[None].repeat(n, 1)
+        x_row = torch.where(even, 1.0, -0.99)  # codes 127 / -128 (not -1: a rounding tie)
+    else:
+        g = torch.Generator().manual_seed(11)
+        q = torch.where(torch.rand(n, k, generator=g) < 0.5, 127, -128).to(torch.int8)
+        x_row = torch.where(torch.rand(k, generator=g) < 0.5, 1.0, -0.99)
+    s = torch.full((n, k // group), 0.01)
+    p = quant.pack("w8a8_native", q, s)
+    assert p["group"] == group
+    for m in (1, 2, 9):
+        x = x_row[None].repeat(m, 1)
+        xq, _, _ = quant._quant_act(x)
+        assert xq.max() == 127 and (pattern == "all_max" or xq.min() == -128)
+        got = quant.run("w8a8_native", p, x, n, k)
+        want = quant.reference("w8a8_native", x, q, s)
+        size = (x.abs().double() @ quant.dequantize(q, s).abs().t()).max().item()
+        err = (got.double() - want).abs().max().item()
+        assert err <= 2e-6 * size, f"m={m}: max error {err:.3g} of sums up to {size:.3g}"

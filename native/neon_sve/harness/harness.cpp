@@ -381,10 +381,14 @@ void check_rows(const std::vector<const KernelTable*>& variants) {
 // the same quantized math (activations quantized per token as the kernel's contract says).
 
 void check_w8g(const std::vector<const KernelTable*>& variants) {
-  struct Case { int M, N, K, G; bool m128; };
+  struct Case { int M, N, K, G; bool m128; int extreme; };
   // decode and prefill rows (Arm I8MM: token pairs by SMMLA, a lone token by SDOT); odd N; K not a
-  // multiple of 64; q == -128 (the portable loop on x86 AVX2)
-  const Case cases[] = {{1, 37, 96, 32, false}, {5, 40, 160, 32, true}, {9, 64, 576, 64, false}, {2, 17, 256, 256, false}};
+  // multiple of 64; q == -128 (the portable loop on x86 AVX2). Then the worst cases for integer
+  // overflow, in the largest group (256): (1) every activation coded 127 against weights all 127
+  // (rows of -127 below), (2) activations coded 127 / -128 against weights 127 / -128, every product
+  // at its largest (127 * 127, -128 * -128), with no cancellation to hide a clipped sum.
+  const Case cases[] = {{1, 37, 96, 32, false, 0}, {5, 40, 160, 32, true, 0}, {9, 64, 576, 64, false, 0},
+                        {2, 17, 256, 256, false, 0}, {3, 32, 512, 256, false, 1}, {4, 33, 512, 256, true, 2}};
   Rng rng(7);
   for (const Case& c : cases) {
     const int tiles = (c.N + 15) / 16, groups = c.K / c.G;
@@ -395,6 +399,13 @@ void check_w8g(const std::vector<const KernelTable*>& variants) {
     for (auto& v : sc) v = 1e-3f + 0.01f * rng.uniform();
     for (int m = 0; m < c.M; ++m)
       for (int k = 0; k < c.K; ++k) x[(size_t)m * c.K + k] = 2 * rng.normal() + (k == 0 ? 3.f : 0.f);
+    if (c.extreme)
+      for (int n = 0; n < c.N; ++n)
+        for (int k = 0; k < c.K; ++k)
+          q[(size_t)n * c.K + k] = c.extreme == 1 ? (n < c.N / 2 ? 127 : -127) : (k % 2 ? -128 : 127);
+    if (c.extreme)
+      for (int m = 0; m < c.M; ++m)
+        for (int k = 0; k < c.K; ++k) x[(size_t)m * c.K + k] = c.extreme == 1 || k % 2 == 0 ? 1.f : -0.99f;
     // pack (appliance_kernels.h, W8GArgs)
     std::vector<int8_t> w((size_t)tiles * 16 * c.K, 0);
     std::vector<float> ps((size_t)tiles * groups * 16, 0.f), pw((size_t)tiles * groups * 16, 0.f);
@@ -434,7 +445,8 @@ void check_w8g(const std::vector<const KernelTable*>& variants) {
       kt->gemm_w8g_a8(a);
       double err;
       char what[96];
-      std::snprintf(what, sizeof what, "w8g M=%d N=%d K=%d G=%d%s", c.M, c.N, c.K, c.G, c.m128 ? " q=-128" : "");
+      std::snprintf(what, sizeof what, "w8g M=%d N=%d K=%d G=%d%s%s", c.M, c.N, c.K, c.G, c.m128 ? " q=-128" : "",
+                    c.extreme ? " extremes" : "");
       const bool ok = close_enough(out, ref, tol, 0, &err);  // before reading err
       report(ok, kt->name, what, err);
     }
