@@ -70,7 +70,8 @@ def machine_description() -> dict:
 
         f = detect()
         cpu, arch = f.model_name, f.arch
-        isa = sorted(x for x in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "sve", "sve2",
+        isa = sorted(x for x in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16",
+                                 "amx_int8", "asimd", "asimddp", "sve", "sve2",
                                  "bf16", "i8mm", "atomics") if f.has(x))
     except Exception:
         cpu, arch, isa = platform.processor() or "unknown", platform.machine(), []
