@@ -31,6 +31,29 @@ for scheme, backend, group in [("w4a8", "w4a8_dynquant", 32), ("w4a8", "w4a8_dyn
         "max_err": err, "ok": err <= 1e-4 * want.abs().max().item(),
         # KleidiAI packs into its own uint8 layout; the fallback packs fp32 (see _meta_registrations)
         "packed_dtype": str(p["w"].dtype)}
+# The worst cases for integer overflow (as tests/quant/test_kernels.py on x86): weights at the ends
+# of their range against activations coded 127 (and -128), every product at its largest and of one
+# sign, so a clipped pair or partial sum cannot hide. bf16-activation routes: bf16 output rounding.
+even = torch.arange(k) % 2 == 0
+worst = [("w4a8_dynquant", 32), ("w4a8_dynquant", k), ("w8a8_onednn", k), ("w8a16_int8pack", k),
+         ("w4a16_int4pack", 32)] + ([("w8a8_native", 32)] if quant._native_available() else [])
+for backend, group in worst:
+    w4 = backend.startswith("w4")
+    lo, hi = (-8, 7) if w4 else (-128 if backend == "w8a8_native" else -127, 127)
+    cases = {"all_max": (torch.where(torch.arange(n)[:, None] < n // 2, hi, lo).expand(n, k), torch.ones(m, k)),
+             "alternating": (torch.where(even, hi, lo)[None].expand(n, k),
+                             torch.where(even, 1.0, -0.99)[None].repeat(m, 1))}
+    for case, (qw, xw) in cases.items():
+        qw = qw.to(torch.int8).contiguous()
+        s = torch.full((n, k // group), 0.01)
+        zp = torch.zeros_like(s) if w4 else None
+        got = quant.run(backend, quant.pack(backend, qw, s, zp), xw, n, k).double()
+        want = quant.reference(backend, xw, qw, s, None, zp)
+        size = (xw.double().abs() @ quant.dequantize(qw, s, zp).abs().t()).max().item()
+        rel = (got - want).abs().max().item() / size
+        out["checks"][f"worst_{case}_{backend}_g{group}"] = {
+            "rel_err": rel, "ok": rel <= (2 ** -7 if backend.endswith("pack") else 1e-5)}
+out["native_w8a8"] = quant._native_available()
 lin = Linear(k, n)
 lin.weight.data = w.clone()
 lin.set_backend("onednn")
