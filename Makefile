@@ -13,8 +13,9 @@ serve: setup
 generate: setup
 	.venv/bin/appliance generate $(ARGS)
 
-# The emulated-Arm quantization test needs a Debian arm64 root with torch's aarch64 wheel
-# (../shared/arm64/rootfs.sh); it is built on first use (~10 min) and reused from the cache after.
+# The emulated-Arm tests (tests/arm64, tests/quant/test_arm64_kernels.py) run the appliance in a Debian
+# arm64 root with torch's aarch64 wheel under qemu (scripts/arm64/rootfs.sh): built on first use
+# (~12 min on 2 cores) and reused from this cache after, rebuilt only when its recipe changes.
 ARM64_ROOTFS ?= $(HOME)/.cache/appliance/arm64-rootfs
 test: setup-test
 	APPLIANCE_ARM64_ROOTFS=$(ARM64_ROOTFS) APPLIANCE_ARM64_BUILD_ROOTFS=1 .venv/bin/python -m pytest -q tests

@@ -5,7 +5,7 @@
 #     --prefix  where lib/libgomp.so.1 goes (default ~/.cache/appliance/libgomp-lse)
 #     --march   default armv8.2-a (every Neoverse; LSE is part of v8.1+)
 #     --native  compile with the host's gcc (on an aarch64 host / in the arm64 image);
-#               default: cross-compile with aarch64-linux-gnu-gcc (shared/arm64/setup.sh installs it)
+#               default: cross-compile with aarch64-linux-gnu-gcc (scripts/arm64/setup.sh installs it)
 # Only libgomp is built (about 15 s on 2 cores), configured on its own against the compiler we
 # have; the rest of GCC is not. The result is checked with the project's classifier.
 # Needs: apt-get (root) for the source package (a deb-src entry is added if none exists), xz, make.
@@ -25,7 +25,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 work="${APPLIANCE_CACHE_DIR:-$HOME/.cache/appliance}/gcc-src"
 gccver=12.2.0
 mkdir -p "$work" "$prefix/lib"
-command -v "$cc" >/dev/null || { echo "no $cc: run shared/arm64/setup.sh (apt-get install gcc-aarch64-linux-gnu)" >&2; exit 1; }
+command -v "$cc" >/dev/null || { echo "no $cc: run scripts/arm64/setup.sh (apt-get install gcc-aarch64-linux-gnu)" >&2; exit 1; }
 
 # 1. The source package (cached). Debian's images ship no deb-src entry: add one for the same mirror.
 if ! ls "$work"/gcc-12_${gccver}.orig.tar.gz >/dev/null 2>&1; then

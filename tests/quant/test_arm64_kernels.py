@@ -1,51 +1,29 @@
 """Under emulated Arm (Neoverse V2 profile: SVE 128, BF16, I8MM), the W4A8 layers run through
 KleidiAI and the W8A8 and prepacked float layers through non-reference oneDNN kernels, each matching
-its fp64 reference. tests/quant/arm_probe.py runs inside a Debian arm64 root with torch 2.10.0's
-aarch64 CPU wheel (../shared/arm64/rootfs.sh); ONEDNN_VERBOSE=1 names the kernels oneDNN ran.
+its fp64 reference. tests/quant/arm_probe.py runs inside the Debian arm64 root with torch 2.10.0's
+aarch64 CPU wheel (scripts/arm64/rootfs.sh, see tests/arm_tools.py); ONEDNN_VERBOSE=1 names the
+kernels oneDNN ran.
 
-Opt-in: building the root debootstraps Debian arm64 and installs the torch wheel under qemu, about
-10 minutes on a 2-core host (measured 2026-11-30: 15:44 -> 15:54), needing root, binfmt_misc and the
-Debian and PyPI registries. Point APPLIANCE_ARM64_ROOTFS at a built root (the probe itself then
-takes ~10 s), or also set APPLIANCE_ARM64_BUILD_ROOTFS=1 to build it there first."""
+Opt-in: APPLIANCE_ARM64_ROOTFS=DIR points at the root (``make test`` sets it, and
+APPLIANCE_ARM64_BUILD_ROOTFS=1 to build it there first: about 10 minutes on a 2-core host, needing root,
+binfmt_misc and the Debian and PyPI registries). The probe itself then takes ~10 s."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-ROOTFS_SH = REPO.parent / "shared" / "arm64" / "rootfs.sh"
-ROOT = os.environ.get("APPLIANCE_ARM64_ROOTFS")
-V2 = "max,sve128=on"
-
-pytestmark = pytest.mark.skipif(
-    not ROOT, reason="opt-in: set APPLIANCE_ARM64_ROOTFS=DIR (an arm64 root from ../shared/arm64/rootfs.sh, "
-                     "~10 min to build; APPLIANCE_ARM64_BUILD_ROOTFS=1 builds it)")
+from arm_tools import arm64_root, run_in_root
 
 
 @pytest.fixture(scope="module")
 def probe():
-    root = Path(ROOT)
-    if os.geteuid() != 0:
-        pytest.fail("the arm64 root is entered with chroot, which needs root")
-    if not (root / "opt/venv/bin/python").exists() and os.environ.get("APPLIANCE_ARM64_BUILD_ROOTFS") != "1":
-        pytest.fail(f"{root}: no arm64 root there; build it with {ROOTFS_SH} {root} "
-                    f"or set APPLIANCE_ARM64_BUILD_ROOTFS=1")
-    # builds when missing; otherwise only registers binfmt_misc and mounts /proc, /sys, /dev (seconds)
-    subprocess.run(["bash", str(ROOTFS_SH), str(root)], check=True, capture_output=True, timeout=3600)
-    src = root / "opt" / "appliance_src"
-    shutil.rmtree(src, ignore_errors=True)
-    shutil.copytree(REPO / "appliance", src / "appliance", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    shutil.copy(Path(__file__).parent / "arm_probe.py", src / "arm_probe.py")
-    env = dict(os.environ, QEMU_CPU=V2, ONEDNN_VERBOSE="1", OMP_NUM_THREADS="2", PYTHONPATH="/opt/appliance_src")
+    arm64_root()
+    source = (Path(__file__).parent / "arm_probe.py").read_text()
     # one stream, so oneDNN's verbose lines (stdout) fall between the probe's markers (stderr)
-    r = subprocess.run(["chroot", str(root), "/bin/sh", "-c", "/opt/venv/bin/python /opt/appliance_src/arm_probe.py 2>&1"],
-                       env=env, capture_output=True, text=True, timeout=900, check=False)
+    r = run_in_root("v2", "/opt/venv/bin/python", "-c", source, timeout=900,
+                    env={"ONEDNN_VERBOSE": "1", "OMP_NUM_THREADS": "2"})
     assert r.returncode == 0, r.stdout[-4000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     return result, r.stdout

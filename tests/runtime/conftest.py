@@ -17,7 +17,6 @@ import pytest
 from arm_tools import ensure_arm_tools
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED_ARM64 = REPO.parent / "shared" / "arm64"
 
 
 def artifact_dir() -> Path:

@@ -14,7 +14,7 @@ from appliance.runtime.worker import worker_env
 
 from conftest import REPO, torch_wheel_libgomp
 
-V2 = "max,sve128=on"  # shared/arm64/run.sh's v2 profile
+V2 = "max,sve128=on"  # scripts/arm64/run.sh's v2 profile
 
 
 @pytest.fixture(scope="module")
