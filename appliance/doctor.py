@@ -50,6 +50,7 @@ SCHEMA: dict = _obj({
         "openmp": _opt(_S), "num_threads": _opt(_I), "build_settings": {"type": "object"},
         "error": _opt(_S),
     }),
+    "onednn": _obj({"implementation": _opt(_S), "isa": _opt(_S), "error": _opt(_S)}),
     "kernels": _obj({"available": _B, "variant": _opt(_S), "variants": {"type": "array", "items": _S},
                      "reason": _opt(_S)}),
     "linear_backends": {"type": "object", "additionalProperties": _obj({
@@ -181,7 +182,9 @@ def _torch() -> dict:
         out["mkldnn_bf16"] = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except Exception:  # noqa: BLE001
         pass
-    out["acl"] = ("acl" in show.lower()) or settings.get("USE_MKLDNN_ACL") in ("1", "ON")
+    # aarch64 wheels whose build settings do not say (2.10.0's) ship ACL as torch/lib/libarm_compute*.so
+    out["acl"] = (("acl" in show.lower()) or settings.get("USE_MKLDNN_ACL") in ("1", "ON")
+                  or any((Path(torch.__file__).parent / "lib").glob("libarm_compute*")))
     kl = getattr(torch.backends, "kleidiai", None)
     out["kleidiai"] = bool(kl.is_available()) if kl is not None and hasattr(kl, "is_available") else None
     mim = settings.get("USE_MIMALLOC")
@@ -196,6 +199,53 @@ def _torch() -> dict:
     m = re.search(r"OpenMP (\d+[^\n]*)", show)
     out["openmp"] = m.group(1).strip() if m else None
     out["num_threads"] = torch.get_num_threads()
+    return out
+
+
+def _onednn() -> dict:
+    """The implementation oneDNN runs for the ``onednn`` linear backend (a prepacked float32 linear) on
+    this CPU, and the ISA it says it targets, from its verbose log: ``acl`` on Arm (the Arm Compute
+    Library), ``brg_matmul:avx2`` and the like on x86; a ``ref`` one would be its slow reference."""
+    out: dict = {"implementation": None, "isa": None, "error": None}
+    try:
+        import tempfile
+
+        import torch
+
+        if not torch.backends.mkldnn.is_available():
+            out["error"] = "torch is built without oneDNN (mkldnn)"
+            return out
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(64, 64), 32)
+        x = torch.randn(4, 64)
+        libc = ctypes.CDLL(None)
+        sys.stdout.flush()
+        saved = os.dup(1)
+        with tempfile.TemporaryFile() as f:
+            os.dup2(f.fileno(), 1)  # oneDNN prints its verbose lines to the C stdout
+            try:
+                with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+                    torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+            finally:
+                libc.fflush(None)
+                os.dup2(saved, 1)
+                os.close(saved)
+            f.seek(0)
+            log = f.read().decode(errors="replace")
+    except Exception as e:  # noqa: BLE001 - a failing probe is the finding
+        out["error"] = f"{type(e).__name__}: {e}"
+        return out
+    for line in log.splitlines():
+        fields = line.split(",")
+        if fields[0] != "onednn_verbose":
+            continue
+        if "exec" in fields and out["implementation"] is None:
+            i = fields.index("exec")  # onednn_verbose,v1,primitive,exec,cpu,<primitive>,<implementation>,...
+            if len(fields) > i + 3:
+                out["implementation"] = fields[i + 3]
+        elif len(fields) > 1 and fields[-1].startswith("isa:"):
+            out["isa"] = fields[-1][4:].strip()
+    if out["implementation"] is None:
+        out["error"] = "oneDNN logged no primitive execution"
     return out
 
 
@@ -311,7 +361,7 @@ def _problems(r: dict) -> list[dict]:
         add("error" if not g.get("preload_choice") else "info",
             f"the libgomp torch loads ({g.get('mapped') or g.get('torch_bundled')}) has no LSE atomics: "
             f"{g['classification']['llsc']} LDXR/STXR-class instructions", fix)
-    elif arm and verdict == "outline-atomics" and not g.get("preload_choice", "").startswith("/opt/appliance"):
+    elif arm and verdict == "outline-atomics" and not (g.get("preload_choice") or "").startswith("/opt/appliance"):
         add("info", "libgomp uses outline atomics (LSE after a run-time flag test per atomic)",
             "bash openmp/build_libgomp.sh for inline LSE (export APPLIANCE_LIBGOMP=<its path>)")
     omp_n = r["omp"]["env"].get("OMP_NUM_THREADS")
@@ -333,6 +383,7 @@ def doctor_report() -> dict:
     r = {"schema_version": 1, "cpu": _cpu(), "cores": _cores(), "memory": _memory(), "torch": _torch(),
          "kernels": _kernels(), "linear_backends": _linear_backends(), "allocator": _allocator(),
          "libgomp": _libgomp(), "omp": _omp()}
+    r["onednn"] = _onednn()
     r["problems"] = _problems(r)
     return r
 
@@ -379,6 +430,8 @@ def run_doctor(json: bool = False) -> int:
                 f", capability {t['cpu_capability']}, oneDNN {t['mkldnn']} (bf16 {t['mkldnn_bf16']}), "
                 f"ACL {t['acl']}, KleidiAI {t['kleidiai']}, static mimalloc {t['mimalloc_static']}"
                 if not t["error"] else f"[red]{t['error']}[/]")
+    o = r["onednn"]
+    tab.add_row("oneDNN", f"{o['implementation']} ({o['isa']})" if o["implementation"] else f"[dim]{o['error']}[/]")
     k = r["kernels"]
     tab.add_row("kernels", f"{k['variant']} (of {', '.join(k['variants'])})" if k["available"] else f"reference ({k['reason']})")
     tab.add_row("linear backends", lin)

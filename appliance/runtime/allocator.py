@@ -150,6 +150,26 @@ def _malloc_owner() -> str | None:
     return None
 
 
+def _owns_malloc(lib: str) -> bool:
+    """Whether the mapped libmimalloc ``lib`` serves the process's ``malloc``: a block from ``malloc``
+    that lies in mimalloc's heap. Needed where dladdr cannot say: a non-PIE python (Debian's
+    /usr/bin/python3.x) has a canonical PLT entry for ``malloc``, so the global symbol resolves into
+    the executable itself whichever library the calls reach."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
+        in_heap = ctypes.CDLL(lib).mi_is_in_heap_region  # already mapped: the same handle
+        in_heap.restype, in_heap.argtypes = ctypes.c_bool, [ctypes.c_void_p]
+    except (OSError, AttributeError):
+        return False
+    block = libc.malloc(64)
+    try:
+        return bool(block) and bool(in_heap(block))
+    finally:
+        libc.free(block)
+
+
 def mapped_libraries(pid: int | str = "self") -> list[str]:
     """Paths of the files mapped into a process (``/proc/PID/maps``), in first-mapped order."""
     seen: dict[str, None] = {}
@@ -185,6 +205,8 @@ def allocator_in_use() -> dict:
         except (OSError, AttributeError):
             pass
     live = bool(mapped) and owner is not None and _LIB_RE.search(owner) is not None
+    if mapped and not live and _owns_malloc(mapped):  # dladdr was answered by the executable's PLT entry
+        live, owner = True, mapped
     name = "mimalloc" if live else "glibc"
     return {
         "name": name,
