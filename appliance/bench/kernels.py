@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 
 
 def timeit(fn, min_time: float, min_iters: int = 3, max_iters: int = 1000) -> float:
@@ -85,17 +84,11 @@ def linear_backends(dtype: torch.dtype) -> list[str]:
 
 
 def _linear_fn(backend: str, w: torch.Tensor):
-    if backend == "native":
-        from appliance.ops import native
+    from appliance.layers import methods
 
-        wp = native.pack_f32(w)
-        return lambda x: native.gemm_f32(x, wp, None, w.shape[0])
-    if backend == "onednn":
-        from appliance.layers.linear import _pack_onednn
-
-        packed = _pack_onednn(w)
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    return lambda x: F.linear(x, w)
+    m = methods.get(backend)
+    p = m.pack(w, None)
+    return lambda x: m.apply(p, x)
 
 
 def bench_gemm(shapes: dict[str, tuple[int, int]], rows: dict[str, list[int]], dtype: torch.dtype,

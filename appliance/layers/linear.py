@@ -1,24 +1,15 @@
-"""Linear layers and their kernel backends.
+"""Linear layers and the choice of their methods.
 
 Fused projections (q/k/v, gate/up) are one GEMM whose weight is filled shard by shard at load
-time. After loading, each layer gets one backend, chosen once per weight shape (never per step):
+time. After loading, each layer gets one linear method (``appliance.layers.methods``), chosen once
+per weight shape (never per step): float layers (``Linear``) ``torch``, ``onednn`` or ``native``;
+quantized layers (``appliance.layers.quant.QuantLinear``: W8A8, W4A8, swapped in at load) the
+methods of their scheme. The method packs the layer's weight once and applies it.
 
-- ``torch``: ``F.linear`` on the checkpoint layout.
-- ``onednn``: the weight reordered once into oneDNN's blocked layout
-  (``mkldnn._reorder_linear_weight``) and applied with ``mkldnn._linear_pointwise``. Where this
-  reaches the hardware's GEMM better than the plain path (small decode batches on wide-vector CPUs,
-  Neoverse with ACL) it is the faster one.
-- ``native`` (float32): the weight prepacked once into panels of 32 output columns and applied by the
-  native extension's ``gemm_f32``, which prefetches each next panel while it computes the current
-  one. At decode batch sizes the weights stream from DRAM every step; a kernel that does not fetch
-  ahead stalls on them (oneDNN loses ~20-30% there on x86, see bench/results).
-
-Quantized layers (``appliance.layers.quant.QuantLinear``: W8A8, W4A8, swapped in at load) bring
-their own candidates (``w8a8_onednn``, ``w8a8_native``, ``w8a16_int8pack``, ``w4a8_dynquant``, ``w4a16_int4pack``).
-
-``auto`` times the valid candidates of each layer on the real shapes at decode and prefill batch
-sizes and keeps the fastest, remembering the choice per host, torch build, dtype and shape (and
-quantization scheme) in the user cache. Every layer kind implements ``LinearBase``.
+``auto`` times the candidates of each layer (the methods that run its shape on this host) on the
+real shapes at decode and prefill batch sizes and keeps the fastest, remembering the choice per
+host, torch build, dtype and shape (and quantization scheme) in the user cache. Every layer kind
+implements ``LinearBase``.
 """
 from __future__ import annotations
 
@@ -34,6 +25,10 @@ log = logging.getLogger("appliance")
 
 from appliance.config import LINEAR_BACKENDS
 from appliance.errors import InvalidRequestError
+from appliance.layers import methods
+from appliance.layers.methods import FusedLinear, LinearMethod
+from appliance.layers.methods.floating import FloatMethod, native_gemm_available, onednn_available  # noqa: F401
+from appliance.layers.methods.floating import pack_onednn as _pack_onednn  # noqa: F401 - bench scripts
 
 # Batch sizes (rows of x) a choice is timed at: single-sequence decode, batched decode, prefill.
 _PROBE_ROWS = (1, 32, 256)
@@ -42,7 +37,12 @@ _PROBE_ROWS = (1, 32, 256)
 class LinearBase(nn.Module):
     """What select_backends needs from a linear layer (float ``Linear``, ``quant.QuantLinear``)."""
 
-    backend: str
+    method: LinearMethod | None = None  # the layer's linear method (set_backend), None before one is set
+
+    @property
+    def backend(self) -> str:
+        """The method's name ("none" before one is set)."""
+        return "none" if self.method is None else self.method.name
 
     @property
     def shape_key(self) -> str:  # what a backend choice is cached under, e.g. "1728x576"
@@ -62,6 +62,10 @@ class LinearBase(nn.Module):
     def weight_bytes(self) -> int:
         raise NotImplementedError
 
+    def fused_descriptor(self) -> FusedLinear | None:
+        """How the one-call decoder stack applies this layer, or None when it cannot."""
+        return None
+
 
 class Linear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
@@ -72,32 +76,25 @@ class Linear(LinearBase):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         # shard name -> (row offset, rows): where each checkpoint tensor lands in a fused weight
         self.shards = shards or {}
-        self.backend = "torch"
-        self._packed: torch.Tensor | None = None
+        self.method: FloatMethod = methods.get("torch")
+        self.packed: dict | None = None  # what set_backend's method packed; None: F.linear on the weight
         self.keep_weight = False  # True when the weight is shared (tied embeddings)
         # Set by the MLP on its [gate; up] projection: it is always followed by silu_and_mul, which the
-        # native backend folds into the GEMM (rows interleaved at packing; see forward_silu_mul).
+        # native method folds into the GEMM (rows interleaved at packing; see forward_silu_mul).
         self.silu_mul_next = False
-        self._order: torch.Tensor | None = None  # row order of a native gate/up packing
-        self._unorder: torch.Tensor | None = None  # its inverse (plain forward of such a layer)
-        self._packed_bias: torch.Tensor | None = None  # the bias in the packed row order
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None:
-            if self.backend == "native":
-                y = _native().gemm_f32(x, self._packed, self._packed_bias, self.out_features)
-                # rows interleaved for silu_mul: put the columns back (not the MLP's path)
-                return y if self._unorder is None else y[..., self._unorder]
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return self.method.apply(self.packed, x)
 
     @property
     def fused_silu_mul(self) -> bool:
-        return self._order is not None
+        return self.packed is not None and self.method.fused_silu_mul(self.packed)
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of this [gate; up] projection in one native GEMM (``fused_silu_mul``)."""
-        return _native().gemm_f32(x, self._packed, self._packed_bias, self.out_features, silu_mul=True)
+        return self.method.apply_silu_mul(self.packed, x)
 
     @property
     def shape_key(self) -> str:
@@ -110,87 +107,45 @@ class Linear(LinearBase):
         return measure(self.weight, candidates, rows, timer, silu_mul=self.silu_mul_next)
 
     def set_backend(self, name: str) -> None:
-        if name in ("onednn", "native"):
-            if name == "native" and not native_gemm_available(self.weight.dtype, self.weight.device):
-                raise ValueError("linear backend native needs float32 weights on the CPU and the native "
-                                 "kernel extension (python -m appliance.ops.native --build)")
-            w = self.weight.data
-            self._packed_bias = None if self.bias is None else self.bias.data
-            if name == "native" and self.silu_mul_next and not self.keep_weight:
-                self._order = _native().gate_up_order(self.out_features // 2) if self.out_features % 2 == 0 else None
-                if self._order is not None:
-                    self._unorder = torch.argsort(self._order)
-                    w = w[self._order]
-                    if self.bias is not None:
-                        self._packed_bias = self.bias.data[self._order].contiguous()
-            self._packed = _pack_onednn(w) if name == "onednn" else _native().pack_f32(w)
-            if not self.keep_weight:  # the checkpoint layout is no longer needed for the forward pass
-                self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
-        elif name != "torch":
+        m = methods.get(name)
+        if not isinstance(m, FloatMethod):
             raise ValueError(f"linear backend must be one of {', '.join(LINEAR_BACKENDS)}; got {name!r}")
-        self.backend = name
+        if self.weight.numel() == 0 and self.in_features * self.out_features:
+            raise RuntimeError("Linear.set_backend: already packed (the checkpoint weight is released)")
+        self.packed = m.pack(self.weight, self.bias, silu_mul=self.silu_mul_next and not self.keep_weight)
+        self.method = m
+        if not (m.keeps_weight or self.keep_weight):  # the checkpoint layout is no longer read
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def weight_bytes(self) -> int:
-        t = [self._packed if self._packed is not None else self.weight] + ([self.bias] if self.bias is not None else [])
+        t = [self.weight if self.packed is None else self.packed["w"]] + ([self.bias] if self.bias is not None else [])
         return sum(x.numel() * x.element_size() for x in t)
+
+    def fused_descriptor(self) -> FusedLinear | None:
+        p = self.packed if self.packed is not None else self.method.pack(self.weight, self.bias)
+        return self.method.fused_descriptor(p, self.silu_mul_next)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, backend={self.backend}"
 
 
-FLOAT_BACKENDS = ("torch", "onednn", "native")
-
-
-def _native():
-    from appliance.ops import native
-
-    return native
-
-
-def native_gemm_available(dtype: torch.dtype, device: torch.device) -> bool:
-    return dtype == torch.float32 and device.type == "cpu" and _native().is_available()
+FLOAT_BACKENDS = tuple(m.name for m in methods.of_scheme("float"))
 
 
 def float_candidates(dtype: torch.dtype, device: torch.device) -> list[str]:
-    return [b for b in FLOAT_BACKENDS if float_backend_problem(b, dtype, device) is None]
+    return [m.name for m in methods.of_scheme("float") if m.host_problem(dtype, device) is None]
 
 
 def float_backend_problem(name: str, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why float backend ``name`` cannot run ``dtype`` layers on this host, or None."""
-    if name == "onednn" and not onednn_available(dtype, device):
-        if device.type != "cpu" or not torch.backends.mkldnn.is_available():
-            return "torch is built without oneDNN (mkldnn)"
-        if dtype == torch.bfloat16:
-            return ("oneDNN's bfloat16 GEMM needs a CPU that computes bf16 natively: AVX512-BF16 or AMX on x86, "
-                    "BF16 (BFMMLA) on Arm")
-        return f"oneDNN takes float32 or bfloat16 layers, not {dtype}"
-    if name == "native" and not native_gemm_available(dtype, device):
-        if dtype != torch.float32 or device.type != "cpu":
-            return f"the native panel GEMM takes float32 layers on the CPU, not {dtype} on {device}"
-        return (f"the native kernel extension is not available ({_native().unavailable_reason()}); "
-                "build it with `python -m appliance.ops.native --build`")
-    return None
+    m = methods.get(name)
+    return m.host_problem(dtype, device) if isinstance(m, FloatMethod) else None
 
 
 def host_problem(name: str, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why linear backend ``name`` (float or quantized) cannot run on this host, or None."""
-    if name in FLOAT_BACKENDS:
-        return float_backend_problem(name, dtype, device)
-    from appliance.layers import quant
-
-    return quant.host_problem(name)
-
-
-def _pack_onednn(w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 32)
-
-
-def onednn_available(dtype: torch.dtype, device: torch.device) -> bool:
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return dtype == torch.float32
+    m = methods.get(name)
+    return None if m is None else m.host_problem(dtype, device)
 
 
 _SCRATCH: torch.Tensor | None = None
@@ -250,7 +205,6 @@ def measure(weight: torch.Tensor, candidates: list[str], rows=_PROBE_ROWS, timer
     timer = timer or _time
     n, k = weight.shape
     w = torch.randn(n, k, dtype=weight.dtype, device=weight.device) * 0.02
-    order = _native().gate_up_order(n // 2) if silu_mul and "native" in candidates and n % 2 == 0 else None
     act = None
     if silu_mul:
         from appliance.ops import get_ops
@@ -259,21 +213,16 @@ def measure(weight: torch.Tensor, candidates: list[str], rows=_PROBE_ROWS, timer
     fns = {}
     with torch.inference_mode():
         for name in candidates:
-            if name == "onednn":
-                packed = _pack_onednn(w)
-                f = lambda x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-            elif name == "native" and order is not None:
-                packed = _native().pack_f32(w[order])
-                f = lambda x, p=packed: _native().gemm_f32(x, p, None, n, silu_mul=True)
-            elif name == "native":
-                packed = _native().pack_f32(w)
-                f = lambda x, p=packed: _native().gemm_f32(x, p, None, n)
+            m = methods.get(name)
+            p = m.pack(w, None, silu_mul=silu_mul)
+            if m.fused_silu_mul(p):
+                f = lambda x, m=m, p=p: m.apply_silu_mul(p, x)  # noqa: E731
+            elif act is not None:
+                f = lambda x, m=m, p=p: act(m.apply(p, x))  # noqa: E731
             else:
-                f = lambda x: F.linear(x, w)
-            if act is not None and not (name == "native" and order is not None):
-                f = lambda x, f=f: act(f(x))
-            xs = {m: torch.randn(m, k, dtype=w.dtype, device=w.device) for m in rows}  # not timed
-            fns[name] = {m: (lambda f=f, x=xs[m]: f(x)) for m in rows}
+                f = lambda x, m=m, p=p: m.apply(p, x)  # noqa: E731
+            xs = {r: torch.randn(r, k, dtype=w.dtype, device=w.device) for r in rows}  # not timed
+            fns[name] = {r: (lambda f=f, x=xs[r]: f(x)) for r in rows}
         return relative_cost(fns, timer)
 
 
@@ -301,7 +250,7 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
     name, which every layer that can run it gets; other layers (the float ``lm_head`` of a quantized
     model; quantized layers when a float backend is forced) are chosen as under ``auto``. A name no
     layer can run is an error."""
-    if requested not in LINEAR_BACKENDS:
+    if requested != "auto" and methods.get(requested) is None:
         raise InvalidRequestError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}; got {requested!r}",
                                   "linear_backend")
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]

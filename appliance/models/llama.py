@@ -203,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
     def _fused_layers(self):
         """The whole decoder stack as one native call (``ops.native.llama_layers``), or None. Only when
         the per-op path would run every op natively anyway: native ops with FUSED_LAYERS, every q/k/v,
-        o, gate/up and down projection a float ``Linear`` (native GEMM, oneDNN or torch backend), norms,
+        o, gate/up and down projection on a method the stack applies (``fused_descriptor``), norms,
         KV caches and activations of one dtype the kernels take (float32 or bfloat16), a float32 rotary
         table, head_dim a multiple of 16."""
         ops = self.ops
@@ -212,10 +212,12 @@ class LlamaForCausalLM(nn.Module):
         from appliance.layers.forward_context import get_forward_context
 
         ctx = get_forward_context()
-        key = (id(ctx.kv_caches),) + tuple(id(getattr(m, "_packed", None)) for m in self._linears(0))
+        # a new KV cache or a layer packed anew (set_backend) rebuilds the plan
+        key = (id(ctx.kv_caches),) + tuple(id(d.weight) if (d := m.fused_descriptor()) else None
+                                           for m in self._linears(0))
         plan = self.__dict__.get("_fused_plan")
         if plan is None or plan[0] != key:
-            plan = (key, self._build_fused_plan(ctx.kv_caches, ops))
+            plan = (key, self._build_fused_plan(ctx.kv_caches))
             self.__dict__["_fused_plan"] = plan
         if plan[1] is None:
             return None
@@ -231,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         layer = self.model.layers[i]
         return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
 
-    def _build_fused_plan(self, kv_caches, ops):
+    def _build_fused_plan(self, kv_caches):
         cfg = self.config
         if cfg.head_dim % 16 or cfg.num_attention_heads % cfg.num_key_value_heads or self.rotary is None:
             return None
@@ -245,14 +247,10 @@ class LlamaForCausalLM(nn.Module):
         kinds: list[int] = []
         for i, (layer, (kc, vc)) in enumerate(zip(self.model.layers, kv_caches)):
             at, mlp = layer.self_attn, layer.mlp
-            lins = self._linears(i)
-            if any(type(m) is not Linear or m.backend not in ops.LINEAR_KINDS for m in lins):
+            descs = [m.fused_descriptor() for m in self._linears(i)]
+            if any(d is None for d in descs) or at.o_proj.bias is not None:
                 return None
-            if any(m.backend != "torch" and m._packed is None for m in lins) or at.o_proj.bias is not None:
-                return None
-            gu = mlp.gate_up_proj
-            if gu.backend == "native" and not gu.fused_silu_mul:
-                return None
+            qkv, o, gu, down = descs
             norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             if at.qk_norm:
                 norms += [at.q_norm.weight, at.k_norm.weight]
@@ -260,13 +258,11 @@ class LlamaForCausalLM(nn.Module):
                 return None
             if not (kc.is_contiguous() and vc.is_contiguous()):
                 return None
-            weight = lambda m: m.weight if m.backend == "torch" else m._packed  # noqa: E731
-            bias = lambda m: _or_empty(m._packed_bias if m.backend == "native" else m.bias, empty)  # noqa: E731
-            flat += [layer.input_layernorm.weight, weight(at.qkv_proj), bias(at.qkv_proj),
+            flat += [layer.input_layernorm.weight, qkv.weight, _or_empty(qkv.bias, empty),
                      at.q_norm.weight if at.qk_norm else empty, at.k_norm.weight if at.qk_norm else empty,
-                     weight(at.o_proj), layer.post_attention_layernorm.weight, weight(gu), bias(gu),
-                     weight(mlp.down_proj), bias(mlp.down_proj), kc, vc]
-            kinds += [ops.LINEAR_KINDS[m.backend] for m in lins]
+                     o.weight, layer.post_attention_layernorm.weight, gu.weight, _or_empty(gu.bias, empty),
+                     down.weight, _or_empty(down.bias, empty), kc, vc]
+            kinds += [d.kind for d in descs]
         return flat, kinds
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

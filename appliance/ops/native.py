@@ -450,17 +450,14 @@ def gemm_f32(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None, n: in
     return _require().gemm_f32(x2, wp, bias, n, silu_mul).view(*lead, n // 2 if silu_mul else n)
 
 
-# How llama_layers applies each linear layer (LinearKind in torch_bindings.cpp), by Linear.backend.
-LINEAR_KINDS = {"native": 0, "onednn": 1, "torch": 2}
-
-
 def llama_layers(embeds: torch.Tensor, positions: torch.Tensor, layers: list[torch.Tensor], kinds: list[int],
                  final_norm_w: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
                  intermediate: int, scale: float, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
     """Every decoder layer of a Llama-family model and its final norm in one native call (see
     ``llama_layers`` in native/neon_sve/bindings/torch_bindings.cpp for the 13 tensors per layer;
-    ``kinds``: ``LINEAR_KINDS`` of its q/k/v, o, gate/up and down projections)."""
+    ``kinds``: the ``LinearKind`` of its q/k/v, o, gate/up and down projections, from their linear
+    methods' ``fused_descriptor``, appliance/layers/methods)."""
     return _require().llama_layers(embeds, positions, layers, kinds, final_norm_w, float(eps), num_heads,
                                    num_kv_heads, head_dim, intermediate, float(scale), cos_sin, slot_mapping,
                                    block_table, seq_lens, query_start_loc)

@@ -1,0 +1,151 @@
+"""Float linear methods: ``torch``, ``onednn`` and ``native``.
+
+Each packs ``(weight [N, K], bias [N] or None)`` of a float ``Linear`` and applies it to
+``x [..., K]`` of the weight's dtype, giving ``[..., N]`` with the bias added. ``silu_mul``: the
+layer is an MLP's [gate; up] projection, always followed by ``silu_and_mul`` (only ``native`` folds
+it into its GEMM).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from appliance.layers.methods.base import FusedLinear, LinearMethod, native_extension_problem, register
+
+
+def _native():
+    from appliance.ops import native
+
+    return native
+
+
+def native_gemm_available(dtype: torch.dtype, device: torch.device) -> bool:
+    return dtype == torch.float32 and device.type == "cpu" and _native().is_available()
+
+
+def onednn_available(dtype: torch.dtype, device: torch.device) -> bool:
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
+
+
+def pack_onednn(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 32)
+
+
+class FloatMethod(LinearMethod):
+    # fused_kind: LinearKind in native/neon_sve/bindings/torch_bindings.cpp (kLinNative 0, kLinOneDNN 1,
+    # kLinTorch 2); the C++ side applies each as the method's ``apply`` does.
+    scheme = "float"
+    keeps_weight = False  # whether ``apply`` reads the layer's own weight (else it is released)
+
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False) -> dict:
+        raise NotImplementedError
+
+    def reference(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+    def fused_silu_mul(self, p: dict) -> bool:
+        """Whether ``p`` gives ``silu(gate) * up`` in its GEMM (``apply_silu_mul``)."""
+        return False
+
+    def fused_descriptor(self, p, silu_mul_next):
+        return None if self.fused_kind is None else FusedLinear(self.fused_kind, p["w"], p["bias"])
+
+
+@register
+class TorchLinear(FloatMethod):
+    """``F.linear`` on the checkpoint layout. ``pack`` keeps the layer's own parameters (by
+    reference, so a weight tied to the embedding stays shared)."""
+
+    name = "torch"
+    fused_kind = 2
+    keeps_weight = True
+
+    def pack(self, weight, bias, silu_mul=False):
+        return {"w": weight, "bias": bias}
+
+    def apply(self, p, x):
+        return F.linear(x, p["w"], p["bias"])
+
+
+
+@register
+class OneDNNLinear(FloatMethod):
+    """The weight reordered once into oneDNN's blocked layout (``mkldnn._reorder_linear_weight``) and
+    applied with ``mkldnn._linear_pointwise``. Where this reaches the hardware's GEMM better than the
+    plain path (small decode batches on wide-vector CPUs, Neoverse with ACL) it is the faster one."""
+
+    name = "onednn"
+    fused_kind = 1
+
+    def host_problem(self, dtype=torch.float32, device=torch.device("cpu")):
+        if onednn_available(dtype, device):
+            return None
+        if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return "torch is built without oneDNN (mkldnn)"
+        if dtype == torch.bfloat16:
+            return ("oneDNN's bfloat16 GEMM needs a CPU that computes bf16 natively: AVX512-BF16 or AMX on x86, "
+                    "BF16 (BFMMLA) on Arm")
+        return f"oneDNN takes float32 or bfloat16 layers, not {dtype}"
+
+    def pack(self, weight, bias, silu_mul=False):
+        return {"w": pack_onednn(weight), "bias": bias}
+
+    def apply(self, p, x):
+        return torch.ops.mkldnn._linear_pointwise(x, p["w"], p["bias"], "none", [], "")
+
+
+
+@register
+class NativeLinear(FloatMethod):
+    """float32: the weight prepacked once into panels of 32 output columns and applied by the native
+    extension's ``gemm_f32``, which prefetches each next panel while it computes the current one. At
+    decode batch sizes the weights stream from DRAM every step; a kernel that does not fetch ahead
+    stalls on them (oneDNN loses ~20-30% there on x86, see bench/results).
+
+    A [gate; up] projection (``silu_mul``) is packed with its rows interleaved by ``gate_up_order``
+    (16 gate rows and their 16 up rows per panel) so that ``apply_silu_mul`` gives ``silu(gate) * up``
+    from the GEMM's epilogue; its plain ``apply`` puts the columns back."""
+
+    name = "native"
+    fused_kind = 0
+
+    def host_problem(self, dtype=torch.float32, device=torch.device("cpu")):
+        if native_gemm_available(dtype, device):
+            return None
+        if dtype != torch.float32 or device.type != "cpu":
+            return f"the native panel GEMM takes float32 layers on the CPU, not {dtype} on {device}"
+        return native_extension_problem()
+
+    def pack(self, weight, bias, silu_mul=False):
+        if not native_gemm_available(weight.dtype, weight.device):
+            raise ValueError("linear backend native needs float32 weights on the CPU and the native "
+                             "kernel extension (python -m appliance.ops.native --build)")
+        n = weight.shape[0]
+        order = _native().gate_up_order(n // 2) if silu_mul and n % 2 == 0 else None
+        if order is not None:
+            weight = weight[order]
+            bias = None if bias is None else bias[order].contiguous()
+        return {"w": _native().pack_f32(weight), "bias": bias, "n": n,
+                "unorder": None if order is None else torch.argsort(order)}
+
+    def apply(self, p, x):
+        y = _native().gemm_f32(x, p["w"], p["bias"], p["n"])
+        # rows interleaved for silu_mul: put the columns back (not the MLP's path)
+        return y if p["unorder"] is None else y[..., p["unorder"]]
+
+    def apply_silu_mul(self, p, x):
+        """``silu(gate) * up`` of a [gate; up] projection packed with ``silu_mul`` (``[..., n/2]``)."""
+        return _native().gemm_f32(x, p["w"], p["bias"], p["n"], silu_mul=True)
+
+    def fused_silu_mul(self, p):
+        return p["unorder"] is not None
+
+    def fused_descriptor(self, p, silu_mul_next):
+        # the stack applies a native gate/up weight with the silu epilogue: it must be packed for it
+        if silu_mul_next and p["unorder"] is None:
+            return None
+        return FusedLinear(self.fused_kind, p["w"], p["bias"])

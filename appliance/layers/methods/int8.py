@@ -1,0 +1,177 @@
+"""W8 linear methods: ``w8a8_onednn``, ``w8a16_int8pack`` and ``w8a8_native``.
+
+W8 is symmetric per channel, rounded to nearest; a GGUF's Q8_0 blocks are W8 at group size 32, which
+only ``w8a8_native`` runs (``takes`` keeps them from the others).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+
+import torch
+
+from appliance.layers.methods.base import native_extension_problem, register
+from appliance.layers.methods.qmath import QuantMethod, dequantize, quant_act, quant_act_asym
+
+_ARM = platform.machine().lower() in ("aarch64", "arm64")
+_NATIVE_W8_GROUPS = (256, 128, 64, 32)  # gemm_w8g_a8's groups (its int32 sums stay exact in fp32)
+
+
+class _W8A8(QuantMethod):
+    scheme = "w8a8"
+
+    def _reference(self, x, qweight, scale, zero_point):
+        # activations are quantized from fp32, as the kernels' paths do
+        return quant_act_asym(x.float()).double() @ dequantize(qweight, scale, zero_point).t()
+
+
+@register
+class W8A8OneDNN(_W8A8):
+    """oneDNN int8 GEMM with weights prepacked (``onednn.qlinear_prepack`` / ``qlinear_pointwise``).
+    x86 oneDNN wants u8 activations: the int8 values shifted by 128 with zero point 128 (the same
+    integers); Arm takes s8 directly. The op takes one activation scale and zero point per call, not
+    per token, so the GEMM runs with scale 1, zero point 0 and fp32 output; the per-token zero point
+    is removed with the weight's row sums (``zp_t * sum_k q[n, k]``) and the per-token scale
+    multiplies the rows: exact integer algebra. Exact only where oneDNN sums into int32
+    (``onednn_int8_problem``)."""
+
+    name = "w8a8_onednn"
+
+    def host_problem(self, dtype=torch.float32, device=torch.device("cpu")):
+        # through appliance.layers.quant, its public name, so that a stand-in there (the tests' host
+        # without VNNI) withdraws the method everywhere
+        from appliance.layers import quant
+
+        return quant.onednn_int8_problem()
+
+    def takes(self, n, k, group_size):
+        return group_size == k  # one scale per output channel
+
+    def pack(self, qweight, scale, zero_point=None):
+        n = qweight.shape[0]
+        s = scale.reshape(n).float().contiguous()
+        return {"w": torch.ops.onednn.qlinear_prepack(qweight.contiguous(), None), "scale": s,
+                "zp": torch.zeros(n, dtype=torch.int64),
+                # zero-point correction per output: sum_k q[n, k] * scale[n]
+                "rowsum": (qweight.to(torch.int64).sum(dim=1).float() * s).contiguous()}
+
+    def apply(self, p, x):
+        xq, zp, s = quant_act(x.float())
+        if _ARM:
+            xi, xzp = xq.to(torch.int8), 0
+        else:
+            xi, xzp = (xq + 128).to(torch.uint8), 128
+        y = torch.ops.onednn.qlinear_pointwise(xi, 1.0, xzp, p["w"], p["scale"], p["zp"], None, 1.0, 0,
+                                               torch.float32, "none", [], "")
+        return (y - zp * p["rowsum"]) * s
+
+
+@functools.cache
+def onednn_int8_problem() -> str | None:
+    """None when oneDNN's int8 GEMM computes exactly here, else why not (``w8a8_onednn`` is then
+    withdrawn: never a candidate, refused when asked for by name).
+
+    x86 oneDNN multiplies u8 activations by s8 weights. With VNNI (AVX512-VNNI, AVX-VNNI, AMX) four
+    products go straight into an int32; without it (AVX2, or AVX512 capped below VNNI by
+    ``ONEDNN_MAX_CPU_ISA``) VPMADDUBSW sums each pair of products into a saturating int16, and
+    2 * 255 * 127 = 64770 does not fit: large activations times large weights are clipped to 32767
+    per pair. That is which kernel oneDNN runs, not something its API reports, so the worst case is
+    run through the method itself: every activation quantized to the top of its range, every weight
+    +127 or -127, at batch sizes 1 to 64, against the exact integers."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")):
+        return "torch is built without oneDNN's quantized linear ops (torch.ops.onednn.qlinear_prepack)"
+    m8 = W8A8OneDNN()
+    n, k = 32, 256
+    qw = torch.full((n, k), 127, dtype=torch.int8)
+    qw[n // 2:] = -127
+    p = m8.pack(qw, torch.ones(n, 1))
+    for m in (1, 4, 64):  # oneDNN picks its kernel by shape too
+        x = torch.ones(m, k)  # per-token range [0, 1]: every xq is 127 (u8 255 on x86)
+        got = m8.apply(p, x)
+        want = m8.reference(x, qw, torch.ones(n, 1))
+        err = (got.double() - want).abs().max().item()
+        if not err <= 1e-4 * want.abs().max().item():
+            return (f"oneDNN's int8 GEMM is not exact on this CPU (worst-case probe at batch {m}: "
+                    f"{got[0, 0].item():.6g} for {want[0, 0].item():.6g}): without VNNI it sums pairs of u8 x s8 "
+                    f"products in saturating int16. It needs AVX512-VNNI, AVX-VNNI or AMX"
+                    + (f" (ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']} caps it below)"
+                       if os.environ.get("ONEDNN_MAX_CPU_ISA") else "")
+                    + " on x86; w8a8_native computes the same math exactly on every CPU")
+    return None
+
+
+@register
+class W8A16Int8Pack(QuantMethod):
+    """``_weight_int8pack_mm`` with bf16 activations and scales: its fp32 route is a slow reference
+    (0.28 vs 0.021 ms for 1536x576 at batch 1 here; F.linear fp32: 0.12 ms)."""
+
+    name = "w8a16_int8pack"
+    scheme = "w8a8"
+
+    def takes(self, n, k, group_size):
+        return group_size == k
+
+    def pack(self, qweight, scale, zero_point=None):
+        n = qweight.shape[0]
+        return {"w": qweight.contiguous(), "scale_bf16": scale.reshape(n).to(torch.bfloat16).contiguous()}
+
+    def apply(self, p, x):  # its fp32 route is a slow reference (~15-50x): bf16 activations
+        return torch._weight_int8pack_mm(x.to(torch.bfloat16), p["w"], p["scale_bf16"]).float()
+
+    def _reference(self, x, qweight, scale, zero_point):  # bf16 activations and scales (the fast route)
+        return x.bfloat16().double() @ dequantize(qweight, scale.bfloat16()).t()
+
+
+def _native():
+    from appliance.ops import native
+
+    return native
+
+
+def native_w8_group(k: int, group_size: int) -> int | None:
+    """gemm_w8g_a8's group for a W8 layer of ``group_size`` (``k``: per channel, whose scale is repeated)."""
+    if k % 32:
+        return None
+    return next((g for g in _NATIVE_W8_GROUPS if group_size % g == 0), None)
+
+
+@register
+class W8A8Native(_W8A8):
+    """The native kernels' ``gemm_w8g_a8`` (``native/neon_sve``; needs the extension built,
+    ``python -m appliance.ops.native --build``): W8 with a scale per group of 32 to 256 inputs
+    (per-channel scales are repeated over the largest such group dividing ``in``), ``in % 32 == 0``.
+    Weights are packed once into 16-row tiles, 4 inputs x 16 rows per 64 bytes, with each group's
+    integer weight sum; activations are quantized per token inside the kernel, bit for bit as
+    ``quant_act``. Per group the integer dot product is exact (int32) and the zero point comes off
+    with the group's weight sum (``sum (xq - zp) q = sum xq q - zp sum q``, exact); groups are summed
+    in fp32. Inner products: VPDPBUSD (AVX512-VNNI), VPMADDUBSW/VPMADDWD (AVX2; weights holding -128
+    take the portable loop), SDOT (Arm dotprod) and SMMLA for token pairs (Arm I8MM), a portable loop
+    otherwise; parallel over 16-row tiles. 1536x576 at batch 1 / 16 here (2 threads, VNNI, weights in
+    cache): 0.007 / 0.037 ms, ``w8a8_onednn`` 0.056 / 0.097 ms, F.linear fp32 0.047 / 0.22 ms."""
+
+    name = "w8a8_native"
+
+    def host_problem(self, dtype=torch.float32, device=torch.device("cpu")):
+        return native_extension_problem()
+
+    def takes(self, n, k, group_size):
+        return native_w8_group(k, group_size) is not None
+
+    def pack(self, qweight, scale, zero_point=None):
+        # gemm_w8g_a8's layout (native/neon_sve/include/appliance_kernels.h)
+        n, k = qweight.shape
+        g = k // scale.shape[1]
+        kg = native_w8_group(k, g)
+        tiles, pad = -(-n // 16), -n % 16
+        q = torch.nn.functional.pad(qweight.to(torch.int8), (0, 0, 0, pad))
+        s = torch.nn.functional.pad(scale.float().repeat_interleave(g // kg, dim=1), (0, 0, 0, pad))
+        wsum = q.to(torch.int32).reshape(n + pad, k // kg, kg).sum(-1).float()  # |sum| <= 2^15: exact
+        return {"w": q.reshape(tiles, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous(),
+                "scale": s.reshape(tiles, 16, k // kg).permute(0, 2, 1).contiguous(),
+                "wsum": wsum.reshape(tiles, 16, k // kg).permute(0, 2, 1).contiguous(),
+                "group": kg, "m128": bool((qweight == -128).any()), "n": n}
+
+    def apply(self, p, x):
+        return _native().gemm_w8g_a8(x.float().contiguous(), p["w"], p["scale"], p["wsum"], p["n"], p["group"],
+                                     p["m128"])
