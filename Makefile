@@ -48,3 +48,12 @@ peers:
 	CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 		$(PEERS_DIR)/llamacpp/bin/pip install $(PEERS_PIP_ARGS) "llama-cpp-python[server]==0.3.36"
 	@echo "peers installed under $(PEERS_DIR); run: .venv/bin/appliance bench compare --peers-dir $(PEERS_DIR)"
+
+# llama.cpp's own tools (llama-bench, llama-server, llama-quantize) built with cmake from the llama.cpp
+# vendored in the llama-cpp-python sdist pinned above (~10 min on 2 cores, cached in
+# ~/.cache/appliance/llamacpp/VERSION), then the GGUF benchmark of issue 14 (run it alone).
+.PHONY: llamacpp-tools bench-gguf
+llamacpp-tools: setup
+	.venv/bin/python -m appliance.bench.llamacpp
+bench-gguf: llamacpp-tools
+	.venv/bin/python bench/bench_gguf.py --server --json bench/results/gguf_q4_k_m.json
