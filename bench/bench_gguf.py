@@ -328,11 +328,11 @@ def table_text(record: dict) -> str:
     lines += ["", "appliance load: cold / warm constructor seconds (cold: empty APPLIANCE_CACHE_DIR); llama.cpp "
               "load: llama-server start to /health 200. RSS: after load (psutil).",
               f"ratios appliance / llama.cpp (pp vs llama-bench pp{s['prompt_len']} d0, tg vs llama-bench "
-              f"tg{s['out_len']} at depth {s['prompt_len']}); issue 14 targets: pp >= 2x, tg >= 1x:"]
+              f"tg{s['out_len']} at depth {s['prompt_len']}; higher is faster); issue 14 targets: pp >= 2x, tg >= 1x:"]
     for fr in record["results"]["files"]:
         for name, r in (fr.get("ratios") or {}).items():
             lines.append(f"  {fr['qtype']} {name}: pp {fmt(r.get('pp'), '.2f')}x, tg {fmt(r.get('tg'), '.2f')}x, "
-                         f"load (warm) {fmt(r.get('load_warm'), '.2f')}x, RSS {fmt(r.get('rss'), '.2f')}x")
+                         f"warm load time {fmt(r.get('load_warm'), '.2f')}x and RSS {fmt(r.get('rss'), '.2f')}x llama.cpp's")
     return "\n".join(lines) + "\n"
 
 
