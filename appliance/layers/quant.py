@@ -185,6 +185,15 @@ class QuantLinear(LinearBase):
             q.bias.data = lin.bias.data.clone()
         return q
 
+    # a checkpoint's "<layer>.weight" (a QuantizedWeight record) fills qweight, scale and zero point
+    checkpoint_aliases = {"weight": "qweight"}
+
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id: str | None = None) -> None:
+        """A ``QuantizedWeight`` into the shard's rows, or the bias (``appliance.layers.weight_loading``)."""
+        from appliance.layers.weight_loading import load_quant_linear
+
+        load_quant_linear(self, param, loaded, shard_id)
+
     @property
     def shape_key(self) -> str:
         return f"{self.scheme}g{self.group_size}|{self.out_features}x{self.in_features}"

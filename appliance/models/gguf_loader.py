@@ -34,17 +34,19 @@ crashed conversion never leaves a half-written model directory behind.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from appliance.errors import ModelLoadError
+
+log = logging.getLogger("appliance")
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 GGUF_MAGIC = b"GGUF"
@@ -347,42 +349,109 @@ def gguf_source(model_dir: Path) -> Path | None:
     return path if (st.st_size, st.st_mtime_ns) == (src["size"], src["mtime_ns"]) else None
 
 
-def direct_w4_weights(gguf_path: Path) -> dict[str, tuple[str, Callable[[], tuple]]]:
-    """The decoder projection weights of ``gguf_path`` stored as Q4_0/Q4_1: HF weight name ->
-    (GGUF type, loader). ``loader()`` decodes the raw blocks (never a float matrix) into
-    QuantLinear's canonical W4 form at group size ``GGUF_BLOCK`` (``appliance.layers.quant``):
-    (q int8 ``[out, in]`` in [-8, 7], scale float32 ``[out, in / 32]``, zero point float32 of the
-    same shape, or None for Q4_0), in HF row order (llama's q/k rows un-permuted, rows of q, scale
-    and zero point alike). See the module docstring for the mapping of each type."""
-    return _direct_weights(gguf_path, DIRECT_W4_TYPES, _decode_w4)
+def gguf_configs(path: Path) -> tuple[dict, dict]:
+    """(HF config.json, generation_config.json) of the GGUF ``path``, built in memory from its metadata."""
+    path = Path(path).expanduser().absolute()
+    reader = open_gguf(path)
+    return _build_configs(reader, _read_metadata(reader, path), path)
 
 
-def direct_w8_weights(gguf_path: Path) -> dict[str, tuple[str, Callable[[], tuple]]]:
-    """The decoder projection weights of ``gguf_path`` stored as Q8_0: HF weight name -> (GGUF type,
-    loader). ``loader()`` decodes the raw blocks into QuantLinear's canonical W8 form at group size
-    ``GGUF_BLOCK``: (q int8 ``[out, in]``, the blocks' own values, scale float32 ``[out, in / 32]``,
-    the blocks' fp16 ``d``, None), in HF row order (llama's q/k rows un-permuted). Exact: ``q * d``
-    is gguf's ``d * q``."""
-    return _direct_weights(gguf_path, DIRECT_W8_TYPES, _decode_w8)
+# GGUF type -> (scheme, group size, decoder of raw blocks into the canonical form) of the types loaded
+# as they are (see the module docstring)
+KEPT_TYPES = {
+    "Q4_0": ("w4a8", GGUF_BLOCK, lambda data, qtype, rows, cols: _decode_w4(data, qtype, rows, cols)),
+    "Q4_1": ("w4a8", GGUF_BLOCK, lambda data, qtype, rows, cols: _decode_w4(data, qtype, rows, cols)),
+    "Q8_0": ("w8a8", GGUF_BLOCK, lambda data, qtype, rows, cols: _decode_w8(data, qtype, rows, cols)),
+}
 
 
-def _direct_weights(gguf_path: Path, types: tuple[str, ...], decode) -> dict[str, tuple[str, Callable[[], tuple]]]:
-    gguf_path = Path(gguf_path)
-    reader = open_gguf(gguf_path)
-    meta = _read_metadata(reader, gguf_path)
-    config, _ = _build_configs(reader, meta, gguf_path)
-    out = {}
-    for t, hf_name, shape, n_heads in _tensor_plan(reader, meta, config, gguf_path):
-        qtype = t.tensor_type.name
-        if qtype not in types or not hf_name.endswith("_proj.weight") or len(shape) != 2:
-            continue
+def kept_types(quantization: str, group_size: int, linear_backend: str = "auto", path: Path | str = "") -> tuple:
+    """The GGUF types whose projections load as they are, quantized, under these arguments; every other
+    tensor is dequantized to float (and quantized after loading if ``quantization`` asks).
 
-        def load(t=t, qtype=qtype, shape=shape, n_heads=n_heads):
-            parts = decode(t.data, qtype, *shape)
-            return tuple(p if p is None or n_heads is None else _unpermute_rows(p, n_heads) for p in parts)
+    - ``none``: none (the model runs float, as the dequantized file);
+    - ``w4a8`` at ``group_size`` 32 (the default, the GGUF block size): the W4 group-32 types;
+    - ``w8a8``: the W8 types, when a method that takes W8 groups of 32 (only ``w8a8_native``) can run
+      here and ``linear_backend`` does not force a per-channel one (``w8a8_onednn``, ``w8a16_int8pack``).
+    """
+    from appliance.layers import quant
 
-        out[hf_name] = (qtype, load)
-    return out
+    if quantization == "w8a8":
+        if linear_backend in quant.BACKENDS["w8a8"] and linear_backend != "w8a8_native":
+            log.info("%s: linear_backend=%s takes per-channel W8 only, not groups of %d; quantizing the "
+                     "dequantized weights", path, linear_backend, GGUF_BLOCK)
+            return ()
+        if not quant.backend_valid("w8a8_native", "w8a8", GGUF_BLOCK, GGUF_BLOCK, GGUF_BLOCK):
+            log.info("%s: the native kernels, the only W8 method for groups of %d, are unavailable; "
+                     "quantizing the dequantized weights", path, GGUF_BLOCK)
+            return ()
+    elif quantization == "w4a8":
+        if group_size != GGUF_BLOCK:
+            log.info("%s: GGUF blocks are groups of %d, quant_group_size is %d; quantizing the dequantized "
+                     "weights", path, GGUF_BLOCK, group_size)
+            return ()
+    else:
+        return ()
+    return tuple(t for t, (scheme, _, _) in KEPT_TYPES.items() if scheme == quantization)
+
+
+class GGUFSource:
+    """The tensors of a GGUF file, read from the file by mmap (``GGUFReader``'s tensor data are numpy
+    memmaps), in HF names and row order (llama's q/k rows un-permuted). A projection of a type in
+    ``keep`` that the model holds quantized is a ``QuantizedWeight`` decoded from its raw blocks (never a
+    float matrix); every other tensor is dequantized to float32 (``gguf.quants.dequantize``).
+
+    ``float_from``: a source for the float tensors instead (a directory converted from this GGUF by
+    ``convert_gguf_to_hf``, whose ``gguf_source.json`` names the file)."""
+
+    prequantized = False  # its float tensors are quantized when --quantization asks
+
+    def __init__(self, path: Path, keep: tuple = (), hf_config: dict | None = None, float_from=None):
+        self.path = Path(path)
+        self.reader = open_gguf(self.path)
+        self.meta = _read_metadata(self.reader, self.path)
+        config, _ = _build_configs(self.reader, self.meta, self.path)
+        self.hf_config = hf_config or config
+        self.plan = list(_tensor_plan(self.reader, self.meta, config, self.path))
+        self.keep, self.float_from = tuple(keep), float_from
+
+    def _kept(self, t, hf_name: str, shape) -> bool:
+        return t.tensor_type.name in self.keep and hf_name.endswith("_proj.weight") and len(shape) == 2
+
+    def quantized_layers(self) -> dict[str, tuple[str, int]]:
+        return {hf: KEPT_TYPES[t.tensor_type.name][:2] for t, hf, shape, _ in self.plan if self._kept(t, hf, shape)}
+
+    def weights(self, wants_quantized=lambda name: False):
+        import torch
+
+        from appliance.layers.weight_loading import QuantizedWeight
+
+        quantized = {hf for t, hf, shape, _ in self.plan if self._kept(t, hf, shape) and wants_quantized(hf)}
+        if self.float_from is not None:  # the float copies of quantized layers are never read
+            yield from self.float_from.weights(skip=lambda name: name in quantized)
+        for t, hf, shape, n_heads in self.plan:
+            qtype = t.tensor_type.name
+            if hf in quantized:
+                scheme, group, decode = KEPT_TYPES[qtype]
+                try:
+                    parts = decode(t.data, qtype, *shape)
+                except ModelLoadError as e:
+                    raise ModelLoadError(f"{self.path}: tensor {t.name!r}: {e}") from e
+                q, scale, zp = (None if p is None else torch.from_numpy(np.ascontiguousarray(
+                    p if n_heads is None else _unpermute_rows(p, n_heads))) for p in parts)
+                yield self.path, hf, QuantizedWeight(q, scale, zp, group, scheme)
+            elif self.float_from is None:
+                yield self.path, hf, torch.from_numpy(self._float(t, shape, n_heads))
+
+    def _float(self, t, shape, n_heads) -> np.ndarray:
+        from gguf import quants
+
+        try:
+            w = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        except (NotImplementedError, ValueError) as e:
+            raise ModelLoadError(f"{self.path}: tensor {t.name!r} of GGUF type {t.tensor_type.name} cannot be "
+                                 f"read ({type(e).__name__}: {e})") from e
+        return np.ascontiguousarray(w if n_heads is None else _unpermute_rows(w, n_heads))
 
 
 def _blocks(data: np.ndarray, qtype: str, rows: int, cols: int) -> np.ndarray:
@@ -445,6 +514,37 @@ def _write_safetensors(path: Path, tensors) -> None:
         f.write(blob)
         for _, _, load in tensors:
             np.ascontiguousarray(load(), dtype="<f4").tofile(f)
+
+
+def tokenizer_dir(gguf_path: Path, cache_root: Path) -> Path:
+    """A directory holding the tokenizer of ``gguf_path`` (vocabulary, merges, special tokens and chat
+    template from its metadata), built once and cached under ``cache_root`` keyed by the file's name,
+    size and mtime: transformers takes seconds to tens of seconds to build a fast tokenizer from a
+    GGUF vocabulary, so it is kept on disk; the weights never are."""
+    import fcntl
+    import hashlib
+
+    gguf_path = Path(gguf_path).expanduser().absolute()
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"tok1:{gguf_path.name}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = Path(cache_root) / f"{gguf_path.stem}-{key}"
+    if (out / "tokenizer_config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "tokenizer_config.json").is_file():  # another process may have built it meanwhile
+            reader = open_gguf(gguf_path)
+            meta = _read_metadata(reader, gguf_path)
+            config, _ = _build_configs(reader, meta, gguf_path)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+            try:
+                _write_tokenizer(tmp, gguf_path, meta, config)
+                _replace_dir(tmp, out)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+    return out
 
 
 def _write_tokenizer(out: Path, gguf_path: Path, meta: dict, config: dict) -> None:
