@@ -40,6 +40,7 @@ import os
 import shutil
 import struct
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -119,7 +120,27 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
 
 
 def open_gguf(path: Path):
-    """Open ``path`` with ``gguf.GGUFReader`` after checking it exists, is GGUF and is whole."""
+    """Open ``path`` with ``gguf.GGUFReader`` after checking it exists, is GGUF and is whole. The
+    reader (its header parsed, its tensors memmaps) is reused while the file keeps its size and mtime:
+    parsing a large vocabulary's metadata takes seconds, and a load opens the file more than once."""
+    path = Path(path)
+    try:
+        st = path.stat()
+    except OSError:
+        st = None
+    if st is None or not path.is_file():
+        return _open_gguf(path)
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if _READERS.get("key") != key:
+        _READERS.clear()
+        _READERS.update(key=key, reader=_open_gguf(path))
+    return _READERS["reader"]
+
+
+_READERS: dict = {}  # the last file opened: {"key": (path, size, mtime_ns), "reader": GGUFReader}
+
+
+def _open_gguf(path: Path):
     from gguf import GGUFReader
 
     if not path.exists():
@@ -441,7 +462,11 @@ class GGUFSource:
                     p if n_heads is None else _unpermute_rows(p, n_heads))) for p in parts)
                 yield self.path, hf, QuantizedWeight(q, scale, zp, group, scheme)
             elif self.float_from is None:
-                yield self.path, hf, torch.from_numpy(self._float(t, shape, n_heads))
+                w = self._float(t, shape, n_heads)
+                with warnings.catch_warnings():  # an F32 tensor is the read-only memmap itself: only read
+                    warnings.simplefilter("ignore", UserWarning)
+                    tensor = torch.from_numpy(w)
+                yield self.path, hf, tensor
 
     def _float(self, t, shape, n_heads) -> np.ndarray:
         from gguf import quants
