@@ -210,7 +210,8 @@ def build_model_for(info: ModelInfo, source, device: torch.device) -> torch.nn.M
                 q = QuantLinear(mod.in_features, mod.out_features, scheme, group, mod.bias is not None,
                                 dict(mod.shards), w8_groups=scheme == "w8a8" and group is not None)
             except ValueError as e:
-                raise ModelLoadError(f"{source.path}: layer {name}: the checkpoint's group size: {e}") from e
+                raise ModelLoadError(f"{source.path}: tensor {parts[0]!r}: group size {group} (from the checkpoint's "
+                                     f"quantization config) does not divide the input size {mod.in_features}") from e
             setattr(model.get_submodule(parent), leaf, q)
     model = model.to_empty(device=device)
     for m in model.modules():  # symmetric checkpoints carry no zero points
