@@ -416,7 +416,8 @@ def test_q8_0_blocks_load_as_they_are(vocab, tmp_path, watch):
     cfg = model.config
     for name in sorted(DIRECT_Q8):
         mod = model.get_submodule(name)
-        assert mod.scheme == "w8a8" and mod.group_size == 32 and mod.weight_zero_point is None
+        assert mod.scheme == "w8a8" and mod.group_size == 32
+        assert not mod.weight_zero_point.data.any()  # grouped W8 holds a zero point; Q8_0's is 0
         assert mod.weight_scale.shape == (mod.out_features, mod.in_features // 32)
         # only the native backend takes W8 groups
         assert mod.candidates(torch.float32, CPU) == ["w8a8_native"]
