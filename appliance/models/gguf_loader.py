@@ -1,35 +1,26 @@
-"""GGUF -> Hugging Face model directory conversion.
+"""GGUF files: read straight from the file by the weight-loading loop (``GGUFSource``), or
+converted into a Hugging Face directory (``convert_gguf_to_hf``: for tools and tests that want one;
+the engine never writes it).
 
-A GGUF file (llama.cpp's single-file format) is converted once into a plain HF directory:
-``config.json``, ``generation_config.json``, tokenizer files and a float32
-``model.safetensors``. Everything above this module then loads one format only.
+The HF config is built in memory from the metadata (``gguf_configs``), and the tokenizer from the
+vocabulary, special tokens and chat template it holds (``tokenizer_dir``, cached on disk because
+building it takes seconds). Tensors are renamed to HF names. For the ``llama`` architecture
+llama.cpp's convert script permutes the rows of q_proj/k_proj (it stores rotary pairs interleaved,
+HF stores them as two halves); we undo that exactly as transformers' own GGUF loader does
+(``LlamaTensorProcessor._reverse_permute_weights``). qwen2/qwen3 are stored unpermuted (llama.cpp
+runs them in NEOX rope mode).
 
-Weights are dequantized with ``gguf.quants.dequantize`` and renamed to HF names. For the
-``llama`` architecture llama.cpp's convert script permutes the rows of q_proj/k_proj (it
-stores rotary pairs interleaved, HF stores them as two halves); we undo that exactly as
-transformers' own GGUF loader does (``LlamaTensorProcessor._reverse_permute_weights``).
-qwen2/qwen3 are stored unpermuted (llama.cpp runs them in NEOX rope mode).
+Which tensors stay quantized (``kept_types``): with ``--quantization w4a8`` at group size 32 the W4
+group-32 block types (Q4_0, Q4_1, Q4_K), with ``w8a8`` the W8 ones (Q5_0/1, Q5_K, Q8_0, Q6_K, ...)
+when ``w8a8_native`` (the only method for W8 groups) runs here; each decoded from its raw blocks into
+the canonical form by ``appliance.models.gguf_quants`` (the mapping of each type, exact or within an
+fp32 rounding of the zero point), never through a float matrix. Every other tensor (F32, F16, BF16,
+other types, embeddings and norms) is dequantized with ``gguf.quants.dequantize``. A directory
+converted earlier records its source (``gguf_source.json``: path, size, mtime) and loads the same
+way, its float tensors read from the directory.
 
-The directory records the file it came from (``gguf_source.json``: path, size, mtime), so a
-load with ``--quantization w4a8`` or ``w8a8`` can take the decoder projections straight from the
-GGUF's blocks where the formats line up, with no float matrix in between (``direct_w4_weights``,
-``direct_w8_weights``, used by ``appliance.models.quant_loader``):
-
-- ``Q4_0`` (per 32 weights: fp16 ``d``, 32 nibbles ``u``; ``w = d * (u - 8)``): W4 group 32,
-  ``q = u - 8``, scale ``d``, zero point 0. Exact.
-- ``Q4_1`` (fp16 ``d`` and ``m``; ``w = d * u + m``): W4 group 32, ``q = u - 8``, scale ``d``, zero
-  point ``-8 - m / d`` in fp32, so ``(q - zp) * d = d * u + m`` up to the zero point's rounding
-  (``|error| <= 2^-24 * (|m| + 8 |d|)``, about an fp32 ulp of the group's largest weight). A group
-  with ``d == 0`` (all weights ``m``) gets the scale ``2^floor(log2 |m|)``, which makes it exact.
-- ``Q8_0`` (fp16 ``d``, then 32 int8 ``q``; ``w = d * q``): W8 group 32, ``q`` as it is, scale ``d``
-  in fp32. Exact. Only the native W8A8 backend (``w8a8_native``) takes W8 groups; the others are per
-  channel.
-
-Every other type (F32, F16, K-quants) is dequantized here and quantized at load as a float
-checkpoint is.
-
-The output directory is written into a temp dir next to it and renamed into place, so a
-crashed conversion never leaves a half-written model directory behind.
+The converted directory is written into a temp dir next to it and renamed into place, so a crashed
+conversion never leaves a half-written model directory behind.
 """
 from __future__ import annotations
 
@@ -46,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from appliance.errors import ModelLoadError
+from appliance.models import gguf_quants
 
 log = logging.getLogger("appliance")
 
@@ -54,9 +46,6 @@ GGUF_MAGIC = b"GGUF"
 SOURCE_RECORD = "gguf_source.json"  # in a converted directory: the GGUF it came from
 # GGUF types whose blocks are W4 groups of GGUF_BLOCK weights as they are (see the module docstring)
 GGUF_BLOCK = 32
-DIRECT_W4_TYPES = ("Q4_0", "Q4_1")
-DIRECT_W8_TYPES = ("Q8_0",)  # W8 groups of GGUF_BLOCK weights as they are
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 # GGUF architecture (after the mistral-as-llama patch) -> (HF model_type, HF architecture).
 _HF_ARCH = {
@@ -377,15 +366,6 @@ def gguf_configs(path: Path) -> tuple[dict, dict]:
     return _build_configs(reader, _read_metadata(reader, path), path)
 
 
-# GGUF type -> (scheme, group size, decoder of raw blocks into the canonical form) of the types loaded
-# as they are (see the module docstring)
-KEPT_TYPES = {
-    "Q4_0": ("w4a8", GGUF_BLOCK, lambda data, qtype, rows, cols: _decode_w4(data, qtype, rows, cols)),
-    "Q4_1": ("w4a8", GGUF_BLOCK, lambda data, qtype, rows, cols: _decode_w4(data, qtype, rows, cols)),
-    "Q8_0": ("w8a8", GGUF_BLOCK, lambda data, qtype, rows, cols: _decode_w8(data, qtype, rows, cols)),
-}
-
-
 def kept_types(quantization: str, group_size: int, linear_backend: str = "auto", path: Path | str = "") -> tuple:
     """The GGUF types whose projections load as they are, quantized, under these arguments; every other
     tensor is dequantized to float (and quantized after loading if ``quantization`` asks).
@@ -397,23 +377,26 @@ def kept_types(quantization: str, group_size: int, linear_backend: str = "auto",
     """
     from appliance.layers import quant
 
+    kept = gguf_quants.KEPT.values()
     if quantization == "w8a8":
         if linear_backend in quant.BACKENDS["w8a8"] and linear_backend != "w8a8_native":
-            log.info("%s: linear_backend=%s takes per-channel W8 only, not groups of %d; quantizing the "
-                     "dequantized weights", path, linear_backend, GGUF_BLOCK)
+            log.info("%s: linear_backend=%s takes per-channel W8 only, not a GGUF's groups; quantizing the "
+                     "dequantized weights", path, linear_backend)
             return ()
-        if not quant.backend_valid("w8a8_native", "w8a8", GGUF_BLOCK, GGUF_BLOCK, GGUF_BLOCK):
-            log.info("%s: the native kernels, the only W8 method for groups of %d, are unavailable; "
-                     "quantizing the dequantized weights", path, GGUF_BLOCK)
-            return ()
-    elif quantization == "w4a8":
-        if group_size != GGUF_BLOCK:
-            log.info("%s: GGUF blocks are groups of %d, quant_group_size is %d; quantizing the dequantized "
+        # only the native W8A8 method takes W8 groups (of 32 or 16, with or without zero point)
+        types = tuple(bt.name for bt in kept if bt.scheme == "w8a8"
+                      and quant.backend_valid("w8a8_native", "w8a8", 256, 256, bt.group))
+        if not types:
+            log.info("%s: the native kernels, the only W8 method for a GGUF's groups, are unavailable; "
+                     "quantizing the dequantized weights", path)
+        return types
+    if quantization == "w4a8":
+        types = tuple(bt.name for bt in kept if bt.scheme == "w4a8" and bt.group == group_size)
+        if not types:
+            log.info("%s: GGUF W4 blocks are groups of %d, quant_group_size is %d; quantizing the dequantized "
                      "weights", path, GGUF_BLOCK, group_size)
-            return ()
-    else:
-        return ()
-    return tuple(t for t, (scheme, _, _) in KEPT_TYPES.items() if scheme == quantization)
+        return types
+    return ()
 
 
 class GGUFSource:
@@ -440,7 +423,12 @@ class GGUFSource:
         return t.tensor_type.name in self.keep and hf_name.endswith("_proj.weight") and len(shape) == 2
 
     def quantized_layers(self) -> dict[str, tuple[str, int]]:
-        return {hf: KEPT_TYPES[t.tensor_type.name][:2] for t, hf, shape, _ in self.plan if self._kept(t, hf, shape)}
+        out = {}
+        for t, hf, shape, _ in self.plan:
+            if self._kept(t, hf, shape):
+                bt = gguf_quants.kept(t.tensor_type.name)
+                out[hf] = (bt.scheme, bt.group)
+        return out
 
     def weights(self, wants_quantized=lambda name: False):
         import torch
@@ -453,14 +441,11 @@ class GGUFSource:
         for t, hf, shape, n_heads in self.plan:
             qtype = t.tensor_type.name
             if hf in quantized:
-                scheme, group, decode = KEPT_TYPES[qtype]
-                try:
-                    parts = decode(t.data, qtype, *shape)
-                except ModelLoadError as e:
-                    raise ModelLoadError(f"{self.path}: tensor {t.name!r}: {e}") from e
-                q, scale, zp = (None if p is None else torch.from_numpy(np.ascontiguousarray(
-                    p if n_heads is None else _unpermute_rows(p, n_heads))) for p in parts)
-                yield self.path, hf, QuantizedWeight(q, scale, zp, group, scheme)
+                w = gguf_quants.canonical(qtype, t.data, *shape, where=f"{self.path}: tensor {t.name!r}")
+                q, scale, zp = (None if p is None else p if n_heads is None else
+                                torch.from_numpy(np.ascontiguousarray(_unpermute_rows(p.numpy(), n_heads)))
+                                for p in (w.qweight, w.scale, w.zero_point))
+                yield self.path, hf, QuantizedWeight(q, scale, zp, w.group, w.scheme)
             elif self.float_from is None:
                 w = self._float(t, shape, n_heads)
                 with warnings.catch_warnings():  # an F32 tensor is the read-only memmap itself: only read
@@ -477,46 +462,6 @@ class GGUFSource:
             raise ModelLoadError(f"{self.path}: tensor {t.name!r} of GGUF type {t.tensor_type.name} cannot be "
                                  f"read ({type(e).__name__}: {e})") from e
         return np.ascontiguousarray(w if n_heads is None else _unpermute_rows(w, n_heads))
-
-
-def _blocks(data: np.ndarray, qtype: str, rows: int, cols: int) -> np.ndarray:
-    """Raw blocks of a [rows, cols] tensor as uint8 [rows, cols / 32, block bytes]."""
-    nb = _BLOCK_BYTES[qtype]
-    if cols % GGUF_BLOCK or np.asarray(data).size != rows * cols // GGUF_BLOCK * nb:
-        raise ModelLoadError(f"{qtype} tensor data does not hold [{rows}, {cols}] weights")
-    return np.asarray(data, dtype=np.uint8).reshape(rows, cols // GGUF_BLOCK, nb)
-
-
-def _decode_w8(data: np.ndarray, qtype: str, rows: int, cols: int):
-    """Raw Q8_0 blocks of a [rows, cols] tensor -> (q, scale, None), see ``direct_w8_weights``. A
-    block: fp16 d, then the 32 int8 weights in order."""
-    b = _blocks(data, qtype, rows, cols)
-    d = np.ascontiguousarray(b[..., 0:2]).view("<f2")[..., 0].astype(np.float32)
-    q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, cols)
-    return q, d, None
-
-
-def _decode_w4(data: np.ndarray, qtype: str, rows: int, cols: int):
-    """Raw Q4_0/Q4_1 blocks of a [rows, cols] tensor -> (q, scale, zero point or None), see
-    ``direct_w4_weights``. A block: fp16 d (Q4_1: then fp16 m), then 16 bytes holding weight j in
-    the low nibble of byte j and weight j + 16 in its high nibble."""
-    nb = _BLOCK_BYTES[qtype]
-    b = _blocks(data, qtype, rows, cols)
-    d = np.ascontiguousarray(b[..., 0:2]).view("<f2")[..., 0].astype(np.float32)
-    qs = b[..., nb - 16:]
-    q = (np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - 8).reshape(rows, cols)
-    if qtype == "Q4_0":  # w = d * (u - 8) = (q - 0) * d
-        return q, d, None
-    m = np.ascontiguousarray(b[..., 2:4]).view("<f2")[..., 0].astype(np.float64)
-    # w = d * u + m = (q - zp) * d with zp = -8 - m / d. Where d == 0 every weight is m: u = 0 and a
-    # power-of-two scale s (m / s is then exact) give (-8 - (-8 - m / s)) * s = m.
-    zero = d == 0
-    if zero.any():
-        pow2 = np.exp2(np.floor(np.log2(np.abs(m), where=m != 0, out=np.zeros_like(m))))
-        d = np.where(zero, np.where(m != 0, pow2, 1.0), d).astype(np.float32)
-        q = np.where(np.repeat(zero, GGUF_BLOCK, axis=1), np.int8(-8), q)
-    zp = (-8 - m / d.astype(np.float64)).astype(np.float32)
-    return q, d, zp
 
 
 def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
