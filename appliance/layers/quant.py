@@ -19,10 +19,10 @@ quantizing the fused weight equals quantizing its shards.
 
 A GGUF's Q4_0 and Q4_1 blocks are this form already at group size 32, and a GGUF loaded with w4a8 at
 that group size (the default; so the default model too) takes them as they are
-(``appliance.models.gguf_loader.direct_w4_weights``): ``q = u - 8`` of the block's nibbles ``u``, its
+(``appliance.models.gguf_loader.GGUFSource``): ``q = u - 8`` of the block's nibbles ``u``, its
 fp16 scale ``d`` (held exactly, not rounded to bf16), zero point 0 (Q4_0) or ``-8 - m / d`` (Q4_1,
 ``w = d * u + m``). Q4_0 scales may be negative. Likewise a GGUF loaded with w8a8 takes its Q8_0
-blocks as W8 at group size 32 (``gguf_loader.direct_w8_weights``): the block's int8 ``q`` as they are
+blocks as W8 at group size 32 (``gguf_loader.GGUFSource``): the block's int8 ``q`` as they are
 (-128 included) and its fp16 ``d`` as the fp32 scale, exactly; those layers run on ``w8a8_native``.
 Every GGUF block type kept this way (K-quants, Q5 types) and its mapping: ``appliance.models.gguf_quants``.
 
