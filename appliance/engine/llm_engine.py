@@ -80,7 +80,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, detokenize: bool = True):
         from transformers import AutoTokenizer
 
-        from appliance.models.default_model import resolve_model
+        from appliance.models.default_model import resolve_model_source, tokenizer_path
         from appliance.models.loader import model_info
 
         self.config = config
@@ -88,16 +88,17 @@ class LLMEngine:
         self.device = torch.device(config.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.model_path = resolve_model(config.model)
+        self.model_path = resolve_model_source(config.model)  # a model directory or a GGUF file
         self.info = model_info(self.model_path)
         limit = self.info.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
             raise InvalidRequestError(
                 f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit} "
-                f"({self.model_path / 'config.json'})", "max_model_len")
+                f"({self.model_path if self.model_path.is_file() else self.model_path / 'config.json'})",
+                "max_model_len")
         self.max_model_len = config.max_model_len or limit
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or self.model_path))
+            self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or tokenizer_path(self.model_path)))
         except Exception as e:  # tokenizers raise many types for missing/corrupt files
             raise ModelLoadError(f"{config.tokenizer or self.model_path}: cannot load tokenizer ({e})") from e
         self.dtype = resolve_dtype(config.dtype)

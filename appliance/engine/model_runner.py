@@ -14,7 +14,7 @@ from appliance.engine.scheduler import SchedulerOutput
 from appliance.layers.linear import select_backends
 from appliance.layers.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from appliance.models.loader import ModelInfo
-from appliance.models.quant_loader import load as load_model
+from appliance.models.loader import load as load_model
 from appliance.ops import get_ops
 
 log = logging.getLogger("appliance")

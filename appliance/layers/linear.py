@@ -83,6 +83,12 @@ class Linear(LinearBase):
         # native method folds into the GEMM (rows interleaved at packing; see forward_silu_mul).
         self.silu_mul_next = False
 
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id: str | None = None) -> None:
+        """``param``'s rows of checkpoint shard ``shard_id`` (see ``appliance.layers.weight_loading``)."""
+        from appliance.layers.weight_loading import load_float_linear
+
+        load_float_linear(self, param, loaded, shard_id)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)

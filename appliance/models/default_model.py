@@ -77,6 +77,28 @@ def _is_complete(out: Path) -> bool:
     return (out / "config.json").is_file() and (out / "model.safetensors").is_file()
 
 
+def resolve_model_source(model: str | os.PathLike | None) -> Path:
+    """Map a ``--model`` value to what the loader reads: a GGUF file as it is (loaded straight from
+    the file, no converted directory) or a model directory. None -> the default model's GGUF."""
+    if model is None:
+        return default_gguf_path()
+    path = Path(model).expanduser().absolute()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    return resolve_model(path)
+
+
+def tokenizer_path(model_source: str | os.PathLike) -> Path:
+    """Where the tokenizer of ``model_source`` (from ``resolve_model_source``) loads from: a model
+    directory itself; for a GGUF, a tokenizer built from its metadata, cached under the cache dir."""
+    from appliance.models.gguf_loader import tokenizer_dir
+
+    path = Path(model_source)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return tokenizer_dir(path, cache_dir() / "gguf-tokenizer")
+    return path
+
+
 def resolve_model(model: str | os.PathLike | None) -> Path:
     """Map a ``--model`` value to a Hugging Face model directory.
 

@@ -1,59 +1,51 @@
-"""GGUF -> Hugging Face model directory conversion.
+"""GGUF files: read straight from the file by the weight-loading loop (``GGUFSource``), or
+converted into a Hugging Face directory (``convert_gguf_to_hf``: for tools and tests that want one;
+the engine never writes it).
 
-A GGUF file (llama.cpp's single-file format) is converted once into a plain HF directory:
-``config.json``, ``generation_config.json``, tokenizer files and a float32
-``model.safetensors``. Everything above this module then loads one format only.
+The HF config is built in memory from the metadata (``gguf_configs``), and the tokenizer from the
+vocabulary, special tokens and chat template it holds (``tokenizer_dir``, cached on disk because
+building it takes seconds). Tensors are renamed to HF names. For the ``llama`` architecture
+llama.cpp's convert script permutes the rows of q_proj/k_proj (it stores rotary pairs interleaved,
+HF stores them as two halves); we undo that exactly as transformers' own GGUF loader does
+(``LlamaTensorProcessor._reverse_permute_weights``). qwen2/qwen3 are stored unpermuted (llama.cpp
+runs them in NEOX rope mode).
 
-Weights are dequantized with ``gguf.quants.dequantize`` and renamed to HF names. For the
-``llama`` architecture llama.cpp's convert script permutes the rows of q_proj/k_proj (it
-stores rotary pairs interleaved, HF stores them as two halves); we undo that exactly as
-transformers' own GGUF loader does (``LlamaTensorProcessor._reverse_permute_weights``).
-qwen2/qwen3 are stored unpermuted (llama.cpp runs them in NEOX rope mode).
+Which tensors stay quantized (``kept_types``): with ``--quantization w4a8`` at group size 32 the W4
+group-32 block types (Q4_0, Q4_1, Q4_K), with ``w8a8`` the W8 ones (Q5_0/1, Q5_K, Q8_0, Q6_K, ...)
+when ``w8a8_native`` (the only method for W8 groups) runs here; each decoded from its raw blocks into
+the canonical form by ``appliance.models.gguf_quants`` (the mapping of each type, exact or within an
+fp32 rounding of the zero point), never through a float matrix. Every other tensor (F32, F16, BF16,
+other types, embeddings and norms) is dequantized with ``gguf.quants.dequantize``. A directory
+converted earlier records its source (``gguf_source.json``: path, size, mtime) and loads the same
+way, its float tensors read from the directory.
 
-The directory records the file it came from (``gguf_source.json``: path, size, mtime), so a
-load with ``--quantization w4a8`` or ``w8a8`` can take the decoder projections straight from the
-GGUF's blocks where the formats line up, with no float matrix in between (``direct_w4_weights``,
-``direct_w8_weights``, used by ``appliance.models.quant_loader``):
-
-- ``Q4_0`` (per 32 weights: fp16 ``d``, 32 nibbles ``u``; ``w = d * (u - 8)``): W4 group 32,
-  ``q = u - 8``, scale ``d``, zero point 0. Exact.
-- ``Q4_1`` (fp16 ``d`` and ``m``; ``w = d * u + m``): W4 group 32, ``q = u - 8``, scale ``d``, zero
-  point ``-8 - m / d`` in fp32, so ``(q - zp) * d = d * u + m`` up to the zero point's rounding
-  (``|error| <= 2^-24 * (|m| + 8 |d|)``, about an fp32 ulp of the group's largest weight). A group
-  with ``d == 0`` (all weights ``m``) gets the scale ``2^floor(log2 |m|)``, which makes it exact.
-- ``Q8_0`` (fp16 ``d``, then 32 int8 ``q``; ``w = d * q``): W8 group 32, ``q`` as it is, scale ``d``
-  in fp32. Exact. Only the native W8A8 backend (``w8a8_native``) takes W8 groups; the others are per
-  channel.
-
-Every other type (F32, F16, K-quants) is dequantized here and quantized at load as a float
-checkpoint is.
-
-The output directory is written into a temp dir next to it and renamed into place, so a
-crashed conversion never leaves a half-written model directory behind.
+The converted directory is written into a temp dir next to it and renamed into place, so a crashed
+conversion never leaves a half-written model directory behind.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable
+import warnings
 from pathlib import Path
 
 import numpy as np
 
 from appliance.errors import ModelLoadError
+from appliance.models import gguf_quants
+
+log = logging.getLogger("appliance")
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 GGUF_MAGIC = b"GGUF"
 SOURCE_RECORD = "gguf_source.json"  # in a converted directory: the GGUF it came from
 # GGUF types whose blocks are W4 groups of GGUF_BLOCK weights as they are (see the module docstring)
 GGUF_BLOCK = 32
-DIRECT_W4_TYPES = ("Q4_0", "Q4_1")
-DIRECT_W8_TYPES = ("Q8_0",)  # W8 groups of GGUF_BLOCK weights as they are
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 # GGUF architecture (after the mistral-as-llama patch) -> (HF model_type, HF architecture).
 _HF_ARCH = {
@@ -117,7 +109,27 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
 
 
 def open_gguf(path: Path):
-    """Open ``path`` with ``gguf.GGUFReader`` after checking it exists, is GGUF and is whole."""
+    """Open ``path`` with ``gguf.GGUFReader`` after checking it exists, is GGUF and is whole. The
+    reader (its header parsed, its tensors memmaps) is reused while the file keeps its size and mtime:
+    parsing a large vocabulary's metadata takes seconds, and a load opens the file more than once."""
+    path = Path(path)
+    try:
+        st = path.stat()
+    except OSError:
+        st = None
+    if st is None or not path.is_file():
+        return _open_gguf(path)
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if _READERS.get("key") != key:
+        _READERS.clear()
+        _READERS.update(key=key, reader=_open_gguf(path))
+    return _READERS["reader"]
+
+
+_READERS: dict = {}  # the last file opened: {"key": (path, size, mtime_ns), "reader": GGUFReader}
+
+
+def _open_gguf(path: Path):
     from gguf import GGUFReader
 
     if not path.exists():
@@ -347,82 +359,109 @@ def gguf_source(model_dir: Path) -> Path | None:
     return path if (st.st_size, st.st_mtime_ns) == (src["size"], src["mtime_ns"]) else None
 
 
-def direct_w4_weights(gguf_path: Path) -> dict[str, tuple[str, Callable[[], tuple]]]:
-    """The decoder projection weights of ``gguf_path`` stored as Q4_0/Q4_1: HF weight name ->
-    (GGUF type, loader). ``loader()`` decodes the raw blocks (never a float matrix) into
-    QuantLinear's canonical W4 form at group size ``GGUF_BLOCK`` (``appliance.layers.quant``):
-    (q int8 ``[out, in]`` in [-8, 7], scale float32 ``[out, in / 32]``, zero point float32 of the
-    same shape, or None for Q4_0), in HF row order (llama's q/k rows un-permuted, rows of q, scale
-    and zero point alike). See the module docstring for the mapping of each type."""
-    return _direct_weights(gguf_path, DIRECT_W4_TYPES, _decode_w4)
+def gguf_configs(path: Path) -> tuple[dict, dict]:
+    """(HF config.json, generation_config.json) of the GGUF ``path``, built in memory from its metadata."""
+    path = Path(path).expanduser().absolute()
+    reader = open_gguf(path)
+    return _build_configs(reader, _read_metadata(reader, path), path)
 
 
-def direct_w8_weights(gguf_path: Path) -> dict[str, tuple[str, Callable[[], tuple]]]:
-    """The decoder projection weights of ``gguf_path`` stored as Q8_0: HF weight name -> (GGUF type,
-    loader). ``loader()`` decodes the raw blocks into QuantLinear's canonical W8 form at group size
-    ``GGUF_BLOCK``: (q int8 ``[out, in]``, the blocks' own values, scale float32 ``[out, in / 32]``,
-    the blocks' fp16 ``d``, None), in HF row order (llama's q/k rows un-permuted). Exact: ``q * d``
-    is gguf's ``d * q``."""
-    return _direct_weights(gguf_path, DIRECT_W8_TYPES, _decode_w8)
+def kept_types(quantization: str, group_size: int, linear_backend: str = "auto", path: Path | str = "") -> tuple:
+    """The GGUF types whose projections load as they are, quantized, under these arguments; every other
+    tensor is dequantized to float (and quantized after loading if ``quantization`` asks).
+
+    - ``none``: none (the model runs float, as the dequantized file);
+    - ``w4a8`` at ``group_size`` 32 (the default, the GGUF block size): the W4 group-32 types;
+    - ``w8a8``: the W8 types, when a method that takes W8 groups of 32 (only ``w8a8_native``) can run
+      here and ``linear_backend`` does not force a per-channel one (``w8a8_onednn``, ``w8a16_int8pack``).
+    """
+    from appliance.layers import quant
+
+    kept = gguf_quants.KEPT.values()
+    if quantization == "w8a8":
+        if linear_backend in quant.BACKENDS["w8a8"] and linear_backend != "w8a8_native":
+            log.info("%s: linear_backend=%s takes per-channel W8 only, not a GGUF's groups; quantizing the "
+                     "dequantized weights", path, linear_backend)
+            return ()
+        # only the native W8A8 method takes W8 groups (of 32 or 16, with or without zero point)
+        types = tuple(bt.name for bt in kept if bt.scheme == "w8a8"
+                      and quant.backend_valid("w8a8_native", "w8a8", 256, 256, bt.group))
+        if not types:
+            log.info("%s: the native kernels, the only W8 method for a GGUF's groups, are unavailable; "
+                     "quantizing the dequantized weights", path)
+        return types
+    if quantization == "w4a8":
+        types = tuple(bt.name for bt in kept if bt.scheme == "w4a8" and bt.group == group_size)
+        if not types:
+            log.info("%s: GGUF W4 blocks are groups of %d, quant_group_size is %d; quantizing the dequantized "
+                     "weights", path, GGUF_BLOCK, group_size)
+        return types
+    return ()
 
 
-def _direct_weights(gguf_path: Path, types: tuple[str, ...], decode) -> dict[str, tuple[str, Callable[[], tuple]]]:
-    gguf_path = Path(gguf_path)
-    reader = open_gguf(gguf_path)
-    meta = _read_metadata(reader, gguf_path)
-    config, _ = _build_configs(reader, meta, gguf_path)
-    out = {}
-    for t, hf_name, shape, n_heads in _tensor_plan(reader, meta, config, gguf_path):
-        qtype = t.tensor_type.name
-        if qtype not in types or not hf_name.endswith("_proj.weight") or len(shape) != 2:
-            continue
+class GGUFSource:
+    """The tensors of a GGUF file, read from the file by mmap (``GGUFReader``'s tensor data are numpy
+    memmaps), in HF names and row order (llama's q/k rows un-permuted). A projection of a type in
+    ``keep`` that the model holds quantized is a ``QuantizedWeight`` decoded from its raw blocks (never a
+    float matrix); every other tensor is dequantized to float32 (``gguf.quants.dequantize``).
 
-        def load(t=t, qtype=qtype, shape=shape, n_heads=n_heads):
-            parts = decode(t.data, qtype, *shape)
-            return tuple(p if p is None or n_heads is None else _unpermute_rows(p, n_heads) for p in parts)
+    ``float_from``: a source for the float tensors instead (a directory converted from this GGUF by
+    ``convert_gguf_to_hf``, whose ``gguf_source.json`` names the file)."""
 
-        out[hf_name] = (qtype, load)
-    return out
+    prequantized = False  # its float tensors are quantized when --quantization asks
 
+    def __init__(self, path: Path, keep: tuple = (), hf_config: dict | None = None, float_from=None):
+        self.path = Path(path)
+        self.reader = open_gguf(self.path)
+        self.meta = _read_metadata(self.reader, self.path)
+        config, _ = _build_configs(self.reader, self.meta, self.path)
+        self.hf_config = hf_config or config
+        self.plan = list(_tensor_plan(self.reader, self.meta, config, self.path))
+        self.keep, self.float_from = tuple(keep), float_from
 
-def _blocks(data: np.ndarray, qtype: str, rows: int, cols: int) -> np.ndarray:
-    """Raw blocks of a [rows, cols] tensor as uint8 [rows, cols / 32, block bytes]."""
-    nb = _BLOCK_BYTES[qtype]
-    if cols % GGUF_BLOCK or np.asarray(data).size != rows * cols // GGUF_BLOCK * nb:
-        raise ModelLoadError(f"{qtype} tensor data does not hold [{rows}, {cols}] weights")
-    return np.asarray(data, dtype=np.uint8).reshape(rows, cols // GGUF_BLOCK, nb)
+    def _kept(self, t, hf_name: str, shape) -> bool:
+        return t.tensor_type.name in self.keep and hf_name.endswith("_proj.weight") and len(shape) == 2
 
+    def quantized_layers(self) -> dict[str, tuple[str, int]]:
+        out = {}
+        for t, hf, shape, _ in self.plan:
+            if self._kept(t, hf, shape):
+                bt = gguf_quants.kept(t.tensor_type.name)
+                out[hf] = (bt.scheme, bt.group)
+        return out
 
-def _decode_w8(data: np.ndarray, qtype: str, rows: int, cols: int):
-    """Raw Q8_0 blocks of a [rows, cols] tensor -> (q, scale, None), see ``direct_w8_weights``. A
-    block: fp16 d, then the 32 int8 weights in order."""
-    b = _blocks(data, qtype, rows, cols)
-    d = np.ascontiguousarray(b[..., 0:2]).view("<f2")[..., 0].astype(np.float32)
-    q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, cols)
-    return q, d, None
+    def weights(self, wants_quantized=lambda name: False):
+        import torch
 
+        from appliance.layers.weight_loading import QuantizedWeight
 
-def _decode_w4(data: np.ndarray, qtype: str, rows: int, cols: int):
-    """Raw Q4_0/Q4_1 blocks of a [rows, cols] tensor -> (q, scale, zero point or None), see
-    ``direct_w4_weights``. A block: fp16 d (Q4_1: then fp16 m), then 16 bytes holding weight j in
-    the low nibble of byte j and weight j + 16 in its high nibble."""
-    nb = _BLOCK_BYTES[qtype]
-    b = _blocks(data, qtype, rows, cols)
-    d = np.ascontiguousarray(b[..., 0:2]).view("<f2")[..., 0].astype(np.float32)
-    qs = b[..., nb - 16:]
-    q = (np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - 8).reshape(rows, cols)
-    if qtype == "Q4_0":  # w = d * (u - 8) = (q - 0) * d
-        return q, d, None
-    m = np.ascontiguousarray(b[..., 2:4]).view("<f2")[..., 0].astype(np.float64)
-    # w = d * u + m = (q - zp) * d with zp = -8 - m / d. Where d == 0 every weight is m: u = 0 and a
-    # power-of-two scale s (m / s is then exact) give (-8 - (-8 - m / s)) * s = m.
-    zero = d == 0
-    if zero.any():
-        pow2 = np.exp2(np.floor(np.log2(np.abs(m), where=m != 0, out=np.zeros_like(m))))
-        d = np.where(zero, np.where(m != 0, pow2, 1.0), d).astype(np.float32)
-        q = np.where(np.repeat(zero, GGUF_BLOCK, axis=1), np.int8(-8), q)
-    zp = (-8 - m / d.astype(np.float64)).astype(np.float32)
-    return q, d, zp
+        quantized = {hf for t, hf, shape, _ in self.plan if self._kept(t, hf, shape) and wants_quantized(hf)}
+        if self.float_from is not None:  # the float copies of quantized layers are never read
+            yield from self.float_from.weights(skip=lambda name: name in quantized)
+        for t, hf, shape, n_heads in self.plan:
+            qtype = t.tensor_type.name
+            if hf in quantized:
+                w = gguf_quants.canonical(qtype, t.data, *shape, where=f"{self.path}: tensor {t.name!r}")
+                q, scale, zp = (None if p is None else p if n_heads is None else
+                                torch.from_numpy(np.ascontiguousarray(_unpermute_rows(p.numpy(), n_heads)))
+                                for p in (w.qweight, w.scale, w.zero_point))
+                yield self.path, hf, QuantizedWeight(q, scale, zp, w.group, w.scheme)
+            elif self.float_from is None:
+                w = self._float(t, shape, n_heads)
+                with warnings.catch_warnings():  # an F32 tensor is the read-only memmap itself: only read
+                    warnings.simplefilter("ignore", UserWarning)
+                    tensor = torch.from_numpy(w)
+                yield self.path, hf, tensor
+
+    def _float(self, t, shape, n_heads) -> np.ndarray:
+        from gguf import quants
+
+        try:
+            w = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        except (NotImplementedError, ValueError) as e:
+            raise ModelLoadError(f"{self.path}: tensor {t.name!r} of GGUF type {t.tensor_type.name} cannot be "
+                                 f"read ({type(e).__name__}: {e})") from e
+        return np.ascontiguousarray(w if n_heads is None else _unpermute_rows(w, n_heads))
 
 
 def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -445,6 +484,37 @@ def _write_safetensors(path: Path, tensors) -> None:
         f.write(blob)
         for _, _, load in tensors:
             np.ascontiguousarray(load(), dtype="<f4").tofile(f)
+
+
+def tokenizer_dir(gguf_path: Path, cache_root: Path) -> Path:
+    """A directory holding the tokenizer of ``gguf_path`` (vocabulary, merges, special tokens and chat
+    template from its metadata), built once and cached under ``cache_root`` keyed by the file's name,
+    size and mtime: transformers takes seconds to tens of seconds to build a fast tokenizer from a
+    GGUF vocabulary, so it is kept on disk; the weights never are."""
+    import fcntl
+    import hashlib
+
+    gguf_path = Path(gguf_path).expanduser().absolute()
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"tok1:{gguf_path.name}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = Path(cache_root) / f"{gguf_path.stem}-{key}"
+    if (out / "tokenizer_config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "tokenizer_config.json").is_file():  # another process may have built it meanwhile
+            reader = open_gguf(gguf_path)
+            meta = _read_metadata(reader, gguf_path)
+            config, _ = _build_configs(reader, meta, gguf_path)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+            try:
+                _write_tokenizer(tmp, gguf_path, meta, config)
+                _replace_dir(tmp, out)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+    return out
 
 
 def _write_tokenizer(out: Path, gguf_path: Path, meta: dict, config: dict) -> None:

@@ -1,9 +1,22 @@
-"""Load a Hugging Face model directory: config.json, one or many *.safetensors (with an index),
-generation_config.json. Weights are streamed tensor by tensor from mmap'ed safetensors files into a
-model built on the meta device, so a checkpoint is never held twice in RAM."""
+"""Load a model: a Hugging Face directory (config.json, one or many *.safetensors with an index,
+generation_config.json; float, compressed-tensors, AWQ or GPTQ) or a GGUF file, quantized or not.
+
+One path for every format (rule 7):
+1. ``open_source``: the weight source the checkpoint needs (``appliance.models.weight_sources``);
+2. ``build_model_for``: the model on the meta device, a ``QuantLinear`` for every layer all of whose
+   checkpoint shards arrive quantized alike (same scheme and group size), a float ``Linear``
+   otherwise (a quantized shard of a float layer is dequantized by the layer's loader);
+3. ``load_weights``: one loop over the source, each tensor handed to its parameter's loader
+   (``appliance.layers.weight_loading``), which knows its shard of a fused weight; streamed tensor by
+   tensor from mmap'ed files, so a checkpoint is never held twice in RAM;
+4. ``process_weights_after_loading``: float layers quantized when ``--quantization`` asks, float
+   parameters cast to the model dtype. The linear method of every layer is then picked and packed by
+   ``appliance.layers.linear.select_backends`` once the runner knows its ops.
+"""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +25,8 @@ from safetensors import safe_open
 
 from appliance.errors import ModelLoadError
 from appliance.models.registry import resolve_architecture
+
+log = logging.getLogger("appliance")
 
 
 @dataclass(frozen=True)
@@ -54,6 +69,17 @@ def _eos_ids(path: Path, hf: dict) -> tuple[int, ...]:
 
 
 def model_info(path: Path) -> ModelInfo:
+    """The model at ``path``: a model directory, or a GGUF file (its config built in memory from the
+    file's metadata; nothing is written)."""
+    path = Path(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from appliance.models import gguf_loader
+
+        hf, gen = gguf_loader.gguf_configs(path)
+        eos = gen.get("eos_token_id", hf.get("eos_token_id"))
+        eos_ids = tuple(dict.fromkeys(eos if isinstance(eos, list) else [] if eos is None else [eos]))
+        return ModelInfo(path, resolve_architecture(hf, path), hf, eos_ids,
+                         int(hf.get("max_position_embeddings", 2048)))
     hf = read_config(path)
     arch = resolve_architecture(hf, path / "config.json")
     return ModelInfo(path, arch, hf, _eos_ids(path, hf), int(hf.get("max_position_embeddings", 2048)))
@@ -93,35 +119,176 @@ def iter_weights(path: Path, skip=lambda name: False):
 
 
 def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The model of ``info`` as its checkpoint holds it (no quantization asked)."""
+    return load(info, dtype, device)
+
+
+def open_source(info: ModelInfo, quantization: str = "none", group_size: int = 32, linear_backend: str = "auto"):
+    """The weight source for ``info`` (see ``appliance.models.weight_sources``). Raises ModelLoadError
+    for a quantization_config this appliance does not read, or ``quantization`` asked of a checkpoint
+    that is quantized already."""
+    from appliance.models import awq_gptq, gguf_loader
+    from appliance.models.weight_sources import CompressedTensorsSource, SafetensorsSource, parse_compressed_tensors
+
+    if info.path.is_file():  # a GGUF (model_info accepts no other file)
+        keep = gguf_loader.kept_types(quantization, group_size, linear_backend, info.path)
+        return gguf_loader.GGUFSource(info.path, keep, info.hf_config)
+    where = str(info.path / "config.json")
+    qc = info.hf_config.get("quantization_config")
+    source, scheme = None, None
+    if isinstance(qc, dict) and qc.get("quant_method") in awq_gptq.METHODS:
+        source = awq_gptq.AwqGptqSource(info.path, info.hf_config, awq_gptq.parse(qc, where))
+        scheme = "w4a8"
+    else:
+        spec = parse_compressed_tensors(info.hf_config, where)
+        if spec is not None:
+            source, scheme = CompressedTensorsSource(info.path, info.hf_config, spec), spec.scheme
+    if source is not None:
+        if quantization not in ("none", scheme):
+            raise ModelLoadError(f"{info.path}: the checkpoint is already quantized ({scheme}); "
+                                 f"quantization={quantization} cannot re-quantize it")
+        return source
+    src = gguf_loader.gguf_source(info.path)  # a directory converted from a GGUF that is still there
+    keep = gguf_loader.kept_types(quantization, group_size, linear_backend, src) if src is not None else ()
+    if keep:
+        return gguf_loader.GGUFSource(src, keep, info.hf_config, float_from=SafetensorsSource(info.path, info.hf_config))
+    return SafetensorsSource(info.path, info.hf_config)
+
+
+def load(info: ModelInfo, dtype: torch.dtype, device: torch.device, quantization: str = "none",
+         group_size: int = 32, linear_backend: str = "auto") -> torch.nn.Module:
+    """The model of ``info``, quantized as its checkpoint says or as ``quantization`` asks.
+    ``linear_backend``: the backend the engine will force, if any (a GGUF's W8 groups run only on
+    some). Raises ModelLoadError naming the file, the tensor and what was expected."""
+    source = open_source(info, quantization, group_size, linear_backend)
+    prequantized = source.prequantized  # its float layers stay float (ignored on purpose)
+    model = build_model_for(info, source, device)
+    # float layers to be quantized are loaded in fp32 (quantized from the checkpoint's values, not a
+    # bf16 copy, as `convert` does)
+    quantize_floats = quantization != "none" and not prequantized
+    cast_float(model, torch.float32 if quantize_floats else dtype)
+    load_weights(model, source, info.architecture)
+    process_weights_after_loading(model, quantization if quantize_floats else "none", group_size, dtype, info.path)
+    n_q = sum(1 for m in model.modules() if _is_quant(m))
+    if n_q and not prequantized:
+        log.info("%s: %d projections taken quantized as the file holds them; the others %s", source.path, n_q,
+                 "quantized from float" if quantize_floats else "float")
+    return model
+
+
+def _is_quant(m) -> bool:
+    from appliance.layers.quant import QuantLinear
+
+    return isinstance(m, QuantLinear)
+
+
+def build_model_for(info: ModelInfo, source, device: torch.device) -> torch.nn.Module:
+    """The model on ``device`` (uninitialized): a ``QuantLinear`` for every layer (but lm_head) all of
+    whose checkpoint weights ``source`` gives quantized with one scheme and group size, else float.
+
+    The rule for a fused q/k/v or gate/up whose shards differ (a GGUF mixing types, a partly ignored
+    compressed-tensors layer): the whole layer is float, its quantized shards dequantized at load, and
+    it is quantized afterwards only if ``--quantization`` asks (as any float layer). Simplest correct:
+    a fused layer has one method and one group size, so shards of different forms cannot share it."""
+    from appliance.layers.linear import Linear
+    from appliance.layers.quant import QuantLinear
     from appliance.models.registry import build_model
 
+    qlayers = source.quantized_layers()
     with torch.device("meta"):
         model = build_model(info.architecture, info.hf_config)
-    model = model.to(dtype=dtype).to_empty(device=device)
+        for name, mod in list(model.named_modules()):
+            if not isinstance(mod, Linear) or name == "lm_head" or not qlayers:
+                continue
+            parent, leaf = name.rsplit(".", 1)
+            parts = [f"{parent}.{s}.weight" for s in mod.shards] or [f"{name}.weight"]
+            kinds = {qlayers.get(p) for p in parts}
+            if len(kinds) != 1 or None in kinds:
+                continue
+            scheme, group = kinds.pop()
+            try:
+                q = QuantLinear(mod.in_features, mod.out_features, scheme, group, mod.bias is not None,
+                                dict(mod.shards), w8_groups=scheme == "w8a8" and group is not None)
+            except ValueError as e:
+                raise ModelLoadError(f"{source.path}: tensor {parts[0]!r}: group size {group} (from the checkpoint's "
+                                     f"quantization config) does not divide the input size {mod.in_features}") from e
+            setattr(model.get_submodule(parent), leaf, q)
+    model = model.to_empty(device=device)
+    for m in model.modules():  # symmetric checkpoints carry no zero points
+        if _is_quant(m) and m.weight_zero_point is not None:
+            m.weight_zero_point.data.zero_()
+    return model
+
+
+def load_weights(model: torch.nn.Module, source, architecture: str = "") -> None:
+    """The loading loop: every tensor of ``source`` to its parameter's loader (the owning module's
+    ``weight_loader``, else ``default_weight_loader``), then a check that every parameter (and every
+    shard of a fused one) got one. Raises ModelLoadError naming the file and the tensor."""
+    from appliance.layers.weight_loading import WeightLoadError, default_weight_loader
+
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {}
-    for f, name, tensor in iter_weights(info.path):
+
+    def locate(name: str):
+        pname, shard = model.param_for(name)
+        mod_name, _, leaf = pname.rpartition(".")
+        mod = model.get_submodule(mod_name) if mod_name else model
+        leaf = getattr(mod, "checkpoint_aliases", {}).get(leaf, leaf)  # QuantLinear: weight -> qweight
+        return f"{mod_name}.{leaf}" if mod_name else leaf, shard, mod
+
+    def wants_quantized(name: str) -> bool:
+        try:
+            return _is_quant(locate(name)[2])
+        except AttributeError:
+            return False
+
+    for f, name, value in source.weights(wants_quantized):
         if "rotary_emb.inv_freq" in name:
             continue
         if name == "lm_head.weight" and "lm_head.weight" not in params:
             continue  # tied embeddings: the checkpoint may still carry a copy
-        pname, shard = model.param_for(name)
+        try:
+            pname, shard, mod = locate(name)
+        except AttributeError:
+            pname, shard, mod = name, None, None
         p = params.get(pname)
         if p is None:
-            raise ModelLoadError(f"{f}: unexpected tensor {name!r} for {info.architecture}")
-        dst = p.data
-        if shard is not None:
-            offset, rows = model.get_submodule(pname.rsplit(".", 1)[0]).shards[shard]
-            dst = dst.narrow(0, offset, rows)
-        if tuple(tensor.shape) != tuple(dst.shape):
-            raise ModelLoadError(
-                f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)} "
-                f"from config.json")
-        dst.copy_(tensor)
+            raise ModelLoadError(f"{f}: unexpected tensor {name!r} for {architecture or type(model).__name__}")
+        try:
+            if hasattr(mod, "weight_loader"):
+                mod.weight_loader(p, value, shard)
+            else:
+                default_weight_loader(p, value, shard)
+        except WeightLoadError as e:
+            raise ModelLoadError(f"{f}: tensor {name!r} {e} (from the model's config)") from e
         loaded.setdefault(pname, set()).add(shard)
-    check_complete(model, params, loaded, info.path)
+    check_complete(model, params, loaded, source.path)
+
+
+def process_weights_after_loading(model: torch.nn.Module, quantization: str, group_size: int,
+                                  dtype: torch.dtype, path: Path | str = "") -> None:
+    """After the loop: every float projection (but lm_head) quantized to ``quantization`` unless it is
+    "none"; float parameters cast to ``dtype`` (QuantLinear's integers and fp32 scales stay)."""
+    from appliance.layers.quant import quantize_model
+
+    if quantization != "none":
+        try:
+            quantize_model(model, quantization, group_size)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: cannot quantize to {quantization}: {e}") from e
+    cast_float(model, dtype)
     model.eval()
-    return model
+
+
+def cast_float(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Model dtype for float parameters; QuantLinear's int8 weights and fp32 scales stay as they are."""
+    for mod in model.modules():
+        quant = _is_quant(mod)
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if quant and name in ("qweight", "weight_scale"):
+                continue
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
 
 
 def check_complete(model, params, loaded: dict[str, set], path: Path, optional=lambda name: False) -> None:
@@ -129,6 +296,11 @@ def check_complete(model, params, loaded: dict[str, set], path: Path, optional=l
     naming what is missing. ``optional(name)`` exempts parameters a format may leave out."""
     missing = []
     for pname in params:
+        mod_name, _, leaf = pname.rpartition(".")
+        if _is_quant(model.get_submodule(mod_name)) and leaf in ("weight_scale", "weight_zero_point"):
+            pname_q = f"{mod_name}.qweight"  # filled with qweight, by the same record
+            if loaded.get(pname_q):
+                continue
         shards = getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "shards", None)
         want = set(shards) if shards else {None}
         if not want <= loaded.get(pname, set()) and not optional(pname):

@@ -138,9 +138,9 @@ def serve(engine_config: EngineConfig, server: ServerConfig) -> int:
     """Run the server until SIGTERM / Ctrl-C. Returns the process exit code."""
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    from appliance.models.default_model import resolve_model
+    from appliance.models.default_model import resolve_model_source, tokenizer_path
 
-    model_path = resolve_model(engine_config.model)  # once, here: the core gets a plain path
+    model_path = resolve_model_source(engine_config.model)  # once, here: the core gets a plain path
     names = [server.served_model_name or (engine_config.model if engine_config.model is not None
                                           else _default_name())]
     client = AsyncEngineClient(engine_config.replace(model=str(model_path)),
@@ -148,7 +148,8 @@ def serve(engine_config: EngineConfig, server: ServerConfig) -> int:
     t0 = time.perf_counter()
     client.start_process()
     try:
-        tokenizer = _load_tokenizer(engine_config.tokenizer or model_path)  # while the core loads the model
+        # while the core loads the model
+        tokenizer = _load_tokenizer(engine_config.tokenizer or tokenizer_path(model_path))
         info = client.wait_ready()
     except BaseException:
         client.shutdown(timeout=2)

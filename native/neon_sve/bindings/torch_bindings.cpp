@@ -152,7 +152,8 @@ torch::Tensor gemm_w8g_a8(const torch::Tensor& x, const torch::Tensor& w, const 
                           const torch::Tensor& wsum, int64_t n, int64_t group, bool has_m128) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "gemm_w8g_a8: x contiguous float32 [M, K]");
   const int64_t m = x.size(0), k = x.size(1), tiles = (n + 15) / 16;
-  TORCH_CHECK(group % 32 == 0 && group <= 256 && k % group == 0, "gemm_w8g_a8: group must be a multiple of 32, <= 256, dividing K");
+  TORCH_CHECK(group % 16 == 0 && group <= 256 && k % group == 0, "gemm_w8g_a8: group must be a multiple of 16, <= 256, dividing K; got group ",
+              group, " for K ", k);
   TORCH_CHECK(w.scalar_type() == torch::kInt8 && w.is_contiguous() && w.numel() == tiles * 16 * k,
               "gemm_w8g_a8: w int8 [ceil(N/16), K/4, 16, 4]");
   for (const auto* t : {&scale, &wsum})

@@ -1,0 +1,102 @@
+"""Per-parameter weight loaders: how one checkpoint tensor lands in one parameter.
+
+A weight source (``appliance.models.weight_sources``) yields ``(checkpoint name, value)`` where the
+value is a float tensor, or a ``QuantizedWeight`` (the canonical quantized form, whatever the file
+held: compressed-tensors, AWQ, GPTQ, a GGUF's blocks). The loading loop maps the name to a
+parameter and a shard (``model.param_for``) and calls the loader of the module that owns the
+parameter: ``module.weight_loader(param, loaded, shard_id)``, or ``default_weight_loader`` for
+modules without one (embeddings, norms). The loader lives on the module, not as an attribute of the
+parameter, because parameter attributes do not survive materializing a meta-built model
+(``to_empty``).
+
+Every loader checks shapes and raises ``WeightLoadError`` (expected vs actual); the loop adds the
+file and tensor name to make it a ``ModelLoadError``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class WeightLoadError(ValueError):
+    """A tensor that does not fit its parameter; the loop names the file and tensor."""
+
+
+@dataclass
+class QuantizedWeight:
+    """One checkpoint matrix in the canonical quantized form (``appliance.layers.quant``): ``qweight``
+    int8 ``[N, K]``, ``scale`` float32 ``[N, K // group_size]``, ``zero_point`` float32 of the same shape
+    or None (symmetric): ``w = (q - zero_point) * scale``. ``scheme``: "w4a8" (q in [-8, 7]) or "w8a8"."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    group_size: int
+    scheme: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.qweight.shape)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        from appliance.layers.methods.qmath import dequantize
+
+        return dequantize(self.qweight, self.scale, self.zero_point, torch.float64).to(dtype)
+
+
+def shard_rows(module, param: torch.Tensor, shard_id: str | None) -> torch.Tensor:
+    """The rows of ``param`` that checkpoint shard ``shard_id`` fills (all of it for None)."""
+    if shard_id is None:
+        return param.data
+    offset, rows = module.shards[shard_id]
+    return param.data.narrow(0, offset, rows)
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str = "") -> None:
+    if tuple(src.shape) != tuple(dst.shape):
+        raise WeightLoadError(f"has shape {tuple(src.shape)}{what}, expected {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def default_weight_loader(param: torch.Tensor, loaded, shard_id: str | None = None) -> None:
+    """Whole-tensor copy (embeddings, norms); a quantized record is dequantized (an embedding or a
+    norm is always float)."""
+    if isinstance(loaded, QuantizedWeight):
+        loaded = loaded.dequantize()
+    copy_checked(param.data, loaded)
+
+
+def load_float_linear(module, param: torch.Tensor, loaded, shard_id: str | None) -> None:
+    """``Linear``: weight or bias rows of shard ``shard_id``. A quantized record arriving at a float
+    layer (a fused layer whose shards differ in scheme, an ignored layer) is dequantized in fp32."""
+    if isinstance(loaded, QuantizedWeight):
+        loaded = loaded.dequantize()
+    copy_checked(shard_rows(module, param, shard_id), loaded)
+
+
+def load_quant_linear(module, param: torch.Tensor, loaded, shard_id: str | None) -> None:
+    """``QuantLinear``: a ``QuantizedWeight`` fills qweight, scale and zero point rows of the shard
+    (a symmetric record leaves the zero point at 0); a float tensor is the bias."""
+    if not isinstance(loaded, QuantizedWeight):
+        if param is not module.bias:
+            raise WeightLoadError(f"is a float tensor ({loaded.dtype}), expected {module.scheme} quantized weights")
+        copy_checked(shard_rows(module, param, shard_id), loaded)
+        return
+    if loaded.scheme != module.scheme or loaded.group_size != module.group_size:
+        raise WeightLoadError(f"is {loaded.scheme} at group size {loaded.group_size}, expected {module.scheme} at "
+                              f"group size {module.group_size} (the layer's other shards)")
+    q = loaded.qweight
+    if q.dtype != torch.int8:
+        raise WeightLoadError(f"holds {q.dtype} integers, expected int8")
+    if module.scheme == "w4a8" and q.numel():
+        qn = q.numpy()  # numpy's int8 min/max are ~100x faster than torch's
+        if qn.min() < -8 or qn.max() > 7:
+            raise WeightLoadError("holds values outside int4 [-8, 7]")
+    copy_checked(shard_rows(module, module.qweight, shard_id), q)
+    copy_checked(shard_rows(module, module.weight_scale, shard_id), loaded.scale.float(), " (scales)")
+    if loaded.zero_point is not None:
+        if module.weight_zero_point is None:
+            raise WeightLoadError(f"has zero points, which {module.scheme} layers do not take")
+        copy_checked(shard_rows(module, module.weight_zero_point, shard_id), loaded.zero_point.float(),
+                     " (zero points)")

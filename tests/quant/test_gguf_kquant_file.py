@@ -1,0 +1,137 @@
+"""A Q4_K_M-style GGUF (Q4_K projections, Q6_K for some v/down, the embedding and lm_head; K-quant
+blocks packed by hand, gguf cannot quantize them) loaded straight from the file: the kept layers hold
+the blocks as they are (each weight gguf's own dequantization, to the zero point's fp32 rounding),
+a fused q/k/v whose shards differ in scheme (Q4_K q/k with a Q6_K v) takes the float route, and the
+model gives the tokens of the same file converted to a directory (the converted route, whose float
+tensors are gguf's dequantization)."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize as gguf_dequantize
+
+from appliance import LLM, SamplingParams
+from appliance.layers.quant import QuantLinear, dequantize
+from appliance.models.gguf_loader import convert_gguf_to_hf, kept_types
+from appliance.models.gguf_quants import KEPT
+from appliance.models.loader import load, model_info
+
+CPU = torch.device("cpu")
+HIDDEN, N_HEAD, N_KV, HEAD_DIM, FFN = 256, 4, 2, 64, 512
+KW = {"dtype": "float32", "num_kv_blocks": 32, "max_model_len": 128}
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+IDS = list(range(3, 40))
+TYPES = {"token_embd.weight": "Q4_K", "output.weight": "Q6_K"}
+for _i in range(2):
+    TYPES.update({f"blk.{_i}.attn_q.weight": "Q4_K", f"blk.{_i}.attn_k.weight": "Q4_K",
+                  f"blk.{_i}.attn_v.weight": "Q6_K" if _i == 0 else "Q4_K", f"blk.{_i}.attn_output.weight": "Q4_K",
+                  f"blk.{_i}.ffn_gate.weight": "Q4_K", f"blk.{_i}.ffn_up.weight": "Q4_K",
+                  f"blk.{_i}.ffn_down.weight": "Q6_K"})
+# weights of about 0.03: scales so that d * sc * u (Q4_K: sc < 64, u < 16; Q6_K: |sc| < 128, |u - 32| <= 32)
+D = {"Q4_K": (0, 2, 3e-5), "Q6_K": (208, None, 1e-5)}
+
+
+def _blocks(qtype: str, n: int, k: int, rng) -> np.ndarray:
+    bt = KEPT[qtype]
+    raw = rng.integers(0, 256, (n, k // bt.block_size * bt.type_size), dtype=np.uint8)
+    blocks = raw.reshape(-1, bt.type_size)
+    at_d, at_dmin, scale = D[qtype]
+    for at in (at_d, at_dmin):
+        if at is not None:
+            blocks[:, at:at + 2] = (np.abs(rng.standard_normal(len(blocks))) * scale + scale / 4).astype(
+                np.float16).reshape(-1, 1).view(np.uint8)
+    return raw
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    from appliance.models.default_model import default_gguf_path
+
+    reader = gguf.GGUFReader(default_gguf_path())
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()[:1024]
+    keep = set(tokens)
+    merges = [m for m in reader.fields["tokenizer.ggml.merges"].contents()
+              if (p := m.split(" "))[0] in keep and p[1] in keep and p[0] + p[1] in keep]
+    d = tmp_path_factory.mktemp("q4km")
+    path = d / "q4km.gguf"
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny q4_k_m llama")
+    for add, v in [(w.add_block_count, 2), (w.add_context_length, 256), (w.add_embedding_length, HIDDEN),
+                   (w.add_feed_forward_length, FFN), (w.add_head_count, N_HEAD), (w.add_head_count_kv, N_KV),
+                   (w.add_rope_dimension_count, HEAD_DIM), (w.add_rope_freq_base, 10000.0),
+                   (w.add_layer_norm_rms_eps, 1e-6), (w.add_tokenizer_model, "gpt2"), (w.add_tokenizer_pre, "smollm"),
+                   (w.add_token_list, tokens), (w.add_token_merges, merges), (w.add_bos_token_id, 1),
+                   (w.add_eos_token_id, 2), (w.add_add_bos_token, False)]:
+        add(v)
+    w.add_token_types(reader.fields["tokenizer.ggml.token_type"].contents()[:1024])
+    shapes = {"token_embd.weight": (1024, HIDDEN), "output.weight": (1024, HIDDEN)}
+    for i in range(2):
+        shapes.update({f"blk.{i}.attn_q.weight": (N_HEAD * HEAD_DIM, HIDDEN),
+                       f"blk.{i}.attn_k.weight": (N_KV * HEAD_DIM, HIDDEN),
+                       f"blk.{i}.attn_v.weight": (N_KV * HEAD_DIM, HIDDEN),
+                       f"blk.{i}.attn_output.weight": (HIDDEN, N_HEAD * HEAD_DIM),
+                       f"blk.{i}.ffn_gate.weight": (FFN, HIDDEN), f"blk.{i}.ffn_up.weight": (FFN, HIDDEN),
+                       f"blk.{i}.ffn_down.weight": (HIDDEN, FFN)})
+    w.add_tensor("output_norm.weight", (1 + rng.standard_normal(HIDDEN) * 0.05).astype(np.float32))
+    for i in range(2):
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", (1 + rng.standard_normal(HIDDEN) * 0.05).astype(np.float32))
+    for name, (n, k) in shapes.items():
+        qtype = TYPES[name]
+        w.add_tensor(name, _blocks(qtype, n, k, rng), raw_dtype=gguf.GGMLQuantizationType[qtype])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, convert_gguf_to_hf(path, d / "converted")
+
+
+def test_kept_layers_are_the_blocks_and_mixed_fused_layers_take_the_float_route(files):
+    path, _ = files
+    model = load(model_info(path), torch.float32, CPU, "w4a8", 32)
+    r = gguf.GGUFReader(path)
+    raw = {t.name: t for t in r.tensors}
+    kept = 0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, QuantLinear):
+            continue
+        assert mod.scheme == "w4a8" and mod.group_size == 32
+        layer = name.split(".")[2]
+        parts = {"qkv_proj": ["attn_q", "attn_k", "attn_v"], "o_proj": ["attn_output"],
+                 "gate_up_proj": ["ffn_gate", "ffn_up"], "down_proj": ["ffn_down"]}[name.rsplit(".", 1)[1]]
+        types = {TYPES[f"blk.{layer}.{p}.weight"] for p in parts}
+        got = dequantize(mod.qweight, mod.weight_scale, mod.weight_zero_point)
+        if types != {"Q4_K"}:  # Q6_K (W8 g16) alone or mixed with Q4_K: quantized to W4 from float
+            assert mod.weight_scale.dtype == torch.float32
+            continue
+        kept += 1
+        if name.endswith("o_proj") or name.endswith("gate_up_proj"):  # no q/k row permutation to undo
+            want = np.concatenate([gguf_dequantize(raw[f"blk.{layer}.{p}.weight"].data, gguf.GGMLQuantizationType.Q4_K)
+                                   .reshape(-1, mod.in_features) for p in parts])
+            want = torch.from_numpy(want).double()
+            groupmax = want.abs().reshape(want.shape[0], -1, 32).amax(-1, keepdim=True)
+            err = (got - want).reshape(want.shape[0], -1, 32).abs()
+            assert (err <= 2.0 ** -22 * groupmax + 1e-30).all(), name
+    # layer 0: o, gate_up kept; qkv mixes Q6_K; down Q6_K. layer 1: qkv, o, gate_up kept; down Q6_K
+    assert kept == 5
+    assert model.lm_head.weight.dtype == torch.float32 and not isinstance(model.lm_head, QuantLinear)
+
+
+@pytest.mark.parametrize("quantization,backend", [("none", "torch"), ("w4a8", "w4a16_int4pack"),
+                                                  ("w8a8", "w8a8_native")])
+def test_tokens_equal_the_converted_route(files, tmp_path, monkeypatch, quantization, backend):
+    path, converted = files
+    if quantization == "w8a8" and not kept_types("w8a8", 32):
+        pytest.skip("w8a8_native is not available here")
+    monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(tmp_path / "cache"))
+    a = LLM(str(path), quantization=quantization, linear_backend=backend, **KW)
+    b = LLM(str(converted), quantization=quantization, linear_backend=backend, **KW)
+    if quantization == "w8a8":  # Q6_K projections held as W8 groups of 16
+        g = {m.group_size for m in a.engine.runner.model.modules() if isinstance(m, QuantLinear)}
+        assert 16 in g
+    ga = [o.outputs[0].token_ids for o in a.generate([IDS[:9], IDS[5:30]], GREEDY)]
+    gb = [o.outputs[0].token_ids for o in b.generate([IDS[:9], IDS[5:30]], GREEDY)]
+    assert ga == gb
