@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from appliance.layers.methods.base import register
-from appliance.layers.methods.qmath import QuantMethod, dequantize, offset, quant_act_asym
+from appliance.layers.methods.base import FusedLinear, register
+from appliance.layers.methods.qmath import QuantMethod, add_group_offset, dequantize, offset, quant_act_asym
 
 _INT4PACK_GROUPS = (256, 128, 64, 32)
 
@@ -40,9 +40,10 @@ class W4A8DynQuant(QuantMethod):
     def apply(self, p, x):
         xf = x.float()
         y = torch._dyn_quant_matmul_4bit(xf, p["w"], p["group"], p["k"], p["n"])
-        if p["offset_t"] is not None:
-            y = torch.addmm(y, xf.reshape(xf.shape[0], -1, p["group"]).sum(-1), p["offset_t"])
-        return y
+        return add_group_offset(y, xf, p["offset_t"], p["group"])
+
+    def fused_descriptor(self, p, silu_mul_next=False):
+        return FusedLinear(5, p["w"], None, (None, None, p["offset_t"]), (p["group"], 0, p["group"]))
 
     def _reference(self, x, qweight, scale, zero_point):
         # quantized activations meet the symmetric part; the zero point term meets float activations
@@ -91,6 +92,9 @@ class W4A16Int4Pack(QuantMethod):
     def apply(self, p, x):  # its fp32 route is a slow reference (~30x): bf16 activations
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), p["w"], p["group"],
                                                           p["sz_bf16"]).float()
+
+    def fused_descriptor(self, p, silu_mul_next=False):
+        return FusedLinear(4, p["w"], None, (p["sz_bf16"],), (p["group"],))
 
     def _reference(self, x, qweight, scale, zero_point):  # bf16 activations, scales and offsets
         k = qweight.shape[1]

@@ -11,7 +11,7 @@ import platform
 
 import torch
 
-from appliance.layers.methods.base import native_extension_problem, register
+from appliance.layers.methods.base import FusedLinear, native_extension_problem, register
 from appliance.layers.methods.qmath import QuantMethod, dequantize, quant_act, quant_act_asym
 
 _ARM = platform.machine().lower() in ("aarch64", "arm64")
@@ -119,6 +119,9 @@ class W8A16Int8Pack(QuantMethod):
     def apply(self, p, x):  # its fp32 route is a slow reference (~15-50x): bf16 activations
         return torch._weight_int8pack_mm(x.to(torch.bfloat16), p["w"], p["scale_bf16"]).float()
 
+    def fused_descriptor(self, p, silu_mul_next=False):
+        return FusedLinear(6, p["w"], None, (p["scale_bf16"],))
+
     def _reference(self, x, qweight, scale, zero_point):  # bf16 activations and scales (the fast route)
         return x.bfloat16().double() @ dequantize(qweight, scale.bfloat16()).t()
 
@@ -175,3 +178,6 @@ class W8A8Native(_W8A8):
     def apply(self, p, x):
         return _native().gemm_w8g_a8(x.float().contiguous(), p["w"], p["scale"], p["wsum"], p["n"], p["group"],
                                      p["m128"])
+
+    def fused_descriptor(self, p, silu_mul_next=False):
+        return FusedLinear(3, p["w"], None, (p["scale"], p["wsum"], None), (p["group"], int(p["m128"]), p["group"]))

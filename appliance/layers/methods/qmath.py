@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from appliance.layers.methods.base import LinearMethod
+from appliance.layers.methods.base import FusedLinear, LinearMethod
 
 
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None,
@@ -27,6 +27,15 @@ def offset(scale: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tensor
     if zero_point is None or not bool(zero_point.any()):
         return None
     return (-zero_point.float() * scale.float()).contiguous()
+
+
+def add_group_offset(y: torch.Tensor, xf: torch.Tensor, offset_t: torch.Tensor | None, group: int) -> torch.Tensor:
+    """``y + groupsums(xf) @ offset_t``: the zero-point term a symmetric kernel leaves out (``offset_t``
+    [K / group, N], ``offset`` transposed; None: nothing to add). The one-call decoder stack
+    (``add_offset`` in native/neon_sve/bindings/torch_bindings.cpp) runs the same two ops."""
+    if offset_t is None:
+        return y
+    return torch.addmm(y, xf.reshape(xf.shape[0], -1, group).sum(-1), offset_t)
 
 
 def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -64,3 +73,7 @@ class QuantMethod(LinearMethod):
 
     def _reference(self, x, qweight, scale, zero_point) -> torch.Tensor:
         raise NotImplementedError
+
+    def fused_descriptor(self, p: dict, silu_mul_next: bool = False) -> FusedLinear | None:
+        """Without the bias (QuantLinear adds its own: ``FusedLinear.with_bias``)."""
+        return None
