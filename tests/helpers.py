@@ -61,3 +61,33 @@ def first_usable_backend(*names: str, dtype: torch.dtype = torch.float32) -> str
     from appliance.layers.linear import host_problem
 
     return next(n for n in names if host_problem(n, dtype, torch.device("cpu")) is None)
+
+
+def assert_matches_reference(backend: str, qw: torch.Tensor, s: torch.Tensor, zp: torch.Tensor | None,
+                             xs=None) -> None:
+    """Quantized backend ``backend`` (packed from the canonical ``qw, s, zp``) against its fp64
+    reference at 1, 7 and 33 tokens (or the given activations ``xs``), within the tolerance every
+    quantized backend is held to; the A8 ones must also differ visibly from float activations."""
+    from appliance.layers import quant
+
+    n, k = qw.shape
+    bias = torch.randn(n) * 0.1
+    p = quant.pack(backend, qw, s, zp)
+    for x in xs or [torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in (1, 7, 33)]:
+        m = x.shape[0]
+        got = quant.run(backend, p, x, n, k) + bias
+        want = quant.reference(backend, x, qw, s, bias, zp)
+        # fp32 accumulation over k terms: the error grows ~sqrt(k) * eps * |terms|; given inputs
+        # (the worst cases) may cancel to ~0, so their bound scales with the sum of |terms|
+        size = want.abs().max().item() if xs is None else \
+            (x.abs().double() @ quant.dequantize(qw, s, zp).abs().t()).max().item() / 10
+        tol = 2e-5 * size * (k / 576) ** 0.5 + 1e-6
+        if backend in ("w4a16_int4pack", "w8a16_int8pack"):  # bf16 output (their fast route): 2^-9 relative
+            diff = (got.double() - bias.double() - (want - bias.double())).abs()
+            bound = (want - bias.double()).abs() * 2 ** -8 + tol
+            assert (diff <= bound).all(), f"{backend} m={m}: max excess {(diff - bound).max():.3g}"
+            continue
+        err = (got.double() - want).abs().max().item()
+        assert err <= tol, f"{backend} m={m}: max error {err:.3g} > {tol:.3g}"
+        if backend.endswith("a8"):  # activations are quantized: a float reference differs visibly
+            assert (got.double() - (x.double() @ quant.dequantize(qw, s, zp).t() + bias)).abs().max() > tol

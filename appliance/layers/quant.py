@@ -5,10 +5,11 @@ compressed-tensors checkpoint, a converted one): ``qweight`` int8 ``[out, in]`` 
 integer values (int8 in [-127, 127], or [-128, 127] from a GGUF's Q8_0; int4 in [-8, 7]),
 ``weight_scale`` float32
 ``[out, in // group_size]`` (``group_size == in``: one scale per output channel) and, for W4,
-``weight_zero_point`` float32 of the same shape: ``w = (q - zero_point) * scale``.
+``weight_zero_point`` float32 of the same shape (W8 too when grouped): ``w = (q - zero_point) * scale``.
 
-W8 is symmetric per channel, rounded to nearest (a GGUF's Q8_0 blocks are W8 at group size 32, see
-below: only ``w8a8_native`` runs W8 groups, ``backend_valid`` keeps them from the other backends).
+W8 is symmetric per channel, rounded to nearest (a GGUF's blocks are W8 groups of 32 or 16, some
+with a zero point, see below: only ``w8a8_native`` runs W8 groups, ``backend_valid`` keeps them from
+the other backends).
 W4 is rounded to nearest on each group's min/max grid (16 levels from the group's minimum to its maximum, a float zero point): the grid of GGUF's
 Q4_1, in which the default model ships, where a symmetric 4-bit grid costs +22-32% perplexity;
 quantizing Q4_1's dequantized weights this way gives back its integers exactly (only the scales
@@ -23,6 +24,7 @@ fp16 scale ``d`` (held exactly, not rounded to bf16), zero point 0 (Q4_0) or ``-
 ``w = d * u + m``). Q4_0 scales may be negative. Likewise a GGUF loaded with w8a8 takes its Q8_0
 blocks as W8 at group size 32 (``gguf_loader.direct_w8_weights``): the block's int8 ``q`` as they are
 (-128 included) and its fp16 ``d`` as the fp32 scale, exactly; those layers run on ``w8a8_native``.
+Every GGUF block type kept this way (K-quants, Q5 types) and its mapping: ``appliance.models.gguf_quants``.
 
 Activations (A8) are quantized per token, dynamically, asymmetrically to int8 (KleidiAI's qai8dx
 scheme, ``methods.qmath.quant_act``), by every A8 method.
@@ -153,7 +155,8 @@ class QuantLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, scheme: str, group_size: int | None = None,
                  bias: bool = False, shards: dict[str, tuple[int, int]] | None = None, w8_groups: bool = False):
         """W8 layers are per channel (``group_size`` ignored) unless ``w8_groups``: then W8 keeps
-        ``group_size`` too (a GGUF's Q8_0 blocks, group 32), which only some backends take."""
+        ``group_size`` too, and a zero point as W4 does (a GGUF's blocks: Q8_0 group 32, Q6_K group 16,
+        Q5_1/Q5_K with zero points; ``appliance.models.gguf_quants``), which only ``w8a8_native`` takes."""
         super().__init__()
         if scheme not in SCHEMES:
             raise ValueError(f"quantization must be one of none, {', '.join(SCHEMES)}; got {scheme!r}")
@@ -165,9 +168,9 @@ class QuantLinear(LinearBase):
         self.qweight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.int8), requires_grad=False)
         self.weight_scale = nn.Parameter(torch.empty(out_features, in_features // g, dtype=torch.float32),
                                          requires_grad=False)
-        # W4 only: w = (q - zero_point) * scale (0 for symmetric checkpoints)
+        # W4 and grouped W8: w = (q - zero_point) * scale (0 for symmetric checkpoints)
         self.weight_zero_point = nn.Parameter(torch.zeros(out_features, in_features // g, dtype=torch.float32),
-                                              requires_grad=False) if scheme == "w4a8" else None
+                                              requires_grad=False) if scheme == "w4a8" or w8_groups else None
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.shards = shards or {}
         self.method: QuantMethod | None = None  # set_backend's choice
@@ -233,8 +236,11 @@ class QuantLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:  # not packed yet (before select_backends): the fp64 reference math
-            y = reference(_UNPACKED_REFERENCE[self.scheme], x.reshape(-1, self.in_features), self.qweight.data,
-                          self.weight_scale.data, zero_point=self._zp())
+            # W8 groups (and their zero points) are w8a8_native's alone
+            name = ("w8a8_native" if self.scheme == "w8a8" and self.group_size != self.in_features
+                    else _UNPACKED_REFERENCE[self.scheme])
+            y = reference(name, x.reshape(-1, self.in_features), self.qweight.data, self.weight_scale.data,
+                          zero_point=self._zp())
         else:
             y = run(self.backend, self.packed, x.reshape(-1, self.in_features), self.out_features, self.in_features)
         if self.bias is not None:

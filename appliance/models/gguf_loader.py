@@ -14,19 +14,13 @@ The directory records the file it came from (``gguf_source.json``: path, size, m
 load with ``--quantization w4a8`` or ``w8a8`` can take the decoder projections straight from the
 GGUF's blocks where the formats line up, with no float matrix in between (``direct_w4_weights``,
 ``direct_w8_weights``, used by ``appliance.models.quant_loader``):
+Q4_0/Q4_1 become W4 and Q8_0 W8, both at group 32; how each block type maps (exactly, or
+within an fp32 rounding of the zero point) is ``appliance.models.gguf_quants``, which also keeps
+the K-quants and Q5 types for the weight-loading loop. Only the native W8A8 backend
+(``w8a8_native``) takes W8 groups; the others are per channel.
 
-- ``Q4_0`` (per 32 weights: fp16 ``d``, 32 nibbles ``u``; ``w = d * (u - 8)``): W4 group 32,
-  ``q = u - 8``, scale ``d``, zero point 0. Exact.
-- ``Q4_1`` (fp16 ``d`` and ``m``; ``w = d * u + m``): W4 group 32, ``q = u - 8``, scale ``d``, zero
-  point ``-8 - m / d`` in fp32, so ``(q - zp) * d = d * u + m`` up to the zero point's rounding
-  (``|error| <= 2^-24 * (|m| + 8 |d|)``, about an fp32 ulp of the group's largest weight). A group
-  with ``d == 0`` (all weights ``m``) gets the scale ``2^floor(log2 |m|)``, which makes it exact.
-- ``Q8_0`` (fp16 ``d``, then 32 int8 ``q``; ``w = d * q``): W8 group 32, ``q`` as it is, scale ``d``
-  in fp32. Exact. Only the native W8A8 backend (``w8a8_native``) takes W8 groups; the others are per
-  channel.
-
-Every other type (F32, F16, K-quants) is dequantized here and quantized at load as a float
-checkpoint is.
+Every other type (F32, F16, and for now the K-quants and Q5 types too) is dequantized here
+and quantized at load as a float checkpoint is.
 
 The output directory is written into a temp dir next to it and renamed into place, so a
 crashed conversion never leaves a half-written model directory behind.
@@ -45,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from appliance.errors import ModelLoadError
+from appliance.models import gguf_quants
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 GGUF_MAGIC = b"GGUF"
@@ -53,7 +48,6 @@ SOURCE_RECORD = "gguf_source.json"  # in a converted directory: the GGUF it came
 GGUF_BLOCK = 32
 DIRECT_W4_TYPES = ("Q4_0", "Q4_1")
 DIRECT_W8_TYPES = ("Q8_0",)  # W8 groups of GGUF_BLOCK weights as they are
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 # GGUF architecture (after the mistral-as-llama patch) -> (HF model_type, HF architecture).
 _HF_ARCH = {
@@ -353,8 +347,8 @@ def direct_w4_weights(gguf_path: Path) -> dict[str, tuple[str, Callable[[], tupl
     QuantLinear's canonical W4 form at group size ``GGUF_BLOCK`` (``appliance.layers.quant``):
     (q int8 ``[out, in]`` in [-8, 7], scale float32 ``[out, in / 32]``, zero point float32 of the
     same shape, or None for Q4_0), in HF row order (llama's q/k rows un-permuted, rows of q, scale
-    and zero point alike). See the module docstring for the mapping of each type."""
-    return _direct_weights(gguf_path, DIRECT_W4_TYPES, _decode_w4)
+    and zero point alike). The mapping of each type: ``gguf_quants``."""
+    return _direct_weights(gguf_path, DIRECT_W4_TYPES)
 
 
 def direct_w8_weights(gguf_path: Path) -> dict[str, tuple[str, Callable[[], tuple]]]:
@@ -363,10 +357,10 @@ def direct_w8_weights(gguf_path: Path) -> dict[str, tuple[str, Callable[[], tupl
     ``GGUF_BLOCK``: (q int8 ``[out, in]``, the blocks' own values, scale float32 ``[out, in / 32]``,
     the blocks' fp16 ``d``, None), in HF row order (llama's q/k rows un-permuted). Exact: ``q * d``
     is gguf's ``d * q``."""
-    return _direct_weights(gguf_path, DIRECT_W8_TYPES, _decode_w8)
+    return _direct_weights(gguf_path, DIRECT_W8_TYPES)
 
 
-def _direct_weights(gguf_path: Path, types: tuple[str, ...], decode) -> dict[str, tuple[str, Callable[[], tuple]]]:
+def _direct_weights(gguf_path: Path, types: tuple[str, ...]) -> dict[str, tuple[str, Callable[[], tuple]]]:
     gguf_path = Path(gguf_path)
     reader = open_gguf(gguf_path)
     meta = _read_metadata(reader, gguf_path)
@@ -378,51 +372,12 @@ def _direct_weights(gguf_path: Path, types: tuple[str, ...], decode) -> dict[str
             continue
 
         def load(t=t, qtype=qtype, shape=shape, n_heads=n_heads):
-            parts = decode(t.data, qtype, *shape)
+            w = gguf_quants.canonical(qtype, t.data, *shape, where=f"{gguf_path}: tensor {t.name!r}")
+            parts = (w.qweight.numpy(), w.scale.numpy(), None if w.zero_point is None else w.zero_point.numpy())
             return tuple(p if p is None or n_heads is None else _unpermute_rows(p, n_heads) for p in parts)
 
         out[hf_name] = (qtype, load)
     return out
-
-
-def _blocks(data: np.ndarray, qtype: str, rows: int, cols: int) -> np.ndarray:
-    """Raw blocks of a [rows, cols] tensor as uint8 [rows, cols / 32, block bytes]."""
-    nb = _BLOCK_BYTES[qtype]
-    if cols % GGUF_BLOCK or np.asarray(data).size != rows * cols // GGUF_BLOCK * nb:
-        raise ModelLoadError(f"{qtype} tensor data does not hold [{rows}, {cols}] weights")
-    return np.asarray(data, dtype=np.uint8).reshape(rows, cols // GGUF_BLOCK, nb)
-
-
-def _decode_w8(data: np.ndarray, qtype: str, rows: int, cols: int):
-    """Raw Q8_0 blocks of a [rows, cols] tensor -> (q, scale, None), see ``direct_w8_weights``. A
-    block: fp16 d, then the 32 int8 weights in order."""
-    b = _blocks(data, qtype, rows, cols)
-    d = np.ascontiguousarray(b[..., 0:2]).view("<f2")[..., 0].astype(np.float32)
-    q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, cols)
-    return q, d, None
-
-
-def _decode_w4(data: np.ndarray, qtype: str, rows: int, cols: int):
-    """Raw Q4_0/Q4_1 blocks of a [rows, cols] tensor -> (q, scale, zero point or None), see
-    ``direct_w4_weights``. A block: fp16 d (Q4_1: then fp16 m), then 16 bytes holding weight j in
-    the low nibble of byte j and weight j + 16 in its high nibble."""
-    nb = _BLOCK_BYTES[qtype]
-    b = _blocks(data, qtype, rows, cols)
-    d = np.ascontiguousarray(b[..., 0:2]).view("<f2")[..., 0].astype(np.float32)
-    qs = b[..., nb - 16:]
-    q = (np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - 8).reshape(rows, cols)
-    if qtype == "Q4_0":  # w = d * (u - 8) = (q - 0) * d
-        return q, d, None
-    m = np.ascontiguousarray(b[..., 2:4]).view("<f2")[..., 0].astype(np.float64)
-    # w = d * u + m = (q - zp) * d with zp = -8 - m / d. Where d == 0 every weight is m: u = 0 and a
-    # power-of-two scale s (m / s is then exact) give (-8 - (-8 - m / s)) * s = m.
-    zero = d == 0
-    if zero.any():
-        pow2 = np.exp2(np.floor(np.log2(np.abs(m), where=m != 0, out=np.zeros_like(m))))
-        d = np.where(zero, np.where(m != 0, pow2, 1.0), d).astype(np.float32)
-        q = np.where(np.repeat(zero, GGUF_BLOCK, axis=1), np.int8(-8), q)
-    zp = (-8 - m / d.astype(np.float64)).astype(np.float32)
-    return q, d, zp
 
 
 def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -15,9 +15,10 @@ import torch
 from appliance.layers import quant
 
 # (N, K, group): decode/prefill shapes of the default model (q/k/v fused, o, gate/up, down),
-# K not a multiple of 64 (96, 160), odd N (37, 1), per channel (None: kernel groups of 64/256/32)
+# K not a multiple of 64 (96, 160), odd N (37, 1), per channel (None: kernel groups of 64/256/32),
+# group 16 (GGUF Q6_K/Q3_K/Q2_K sub-blocks; K = 48 per channel too)
 SHAPES = [(960, 576, 32), (576, 1536, 32), (3072, 576, None), (576, 1536, None), (37, 96, 32), (1, 160, 32),
-          (200, 256, 64), (33, 96, None)]
+          (200, 256, 64), (33, 96, None), (960, 576, 16), (37, 96, 16), (17, 48, None)]
 ROWS = (1, 2, 7, 16, 33)
 
 
@@ -30,14 +31,14 @@ def _case(n, k, group, seed, full_range=False):
     return q, s
 
 
-def _check(q, s, rows=ROWS):
+def _check(q, s, rows=ROWS, zp=None):
     n, k = q.shape
-    p = quant.pack("w8a8_native", q, s)
+    p = quant.pack("w8a8_native", q, s, zp)
     for m in rows:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(100 + m)) * 2
         x[:, 0] += 3  # asymmetric rows: zero points away from 0
         got = quant.run("w8a8_native", p, x, n, k)
-        want = quant.reference("w8a8_native", x, q, s)
+        want = quant.reference("w8a8_native", x, q, s, zero_point=zp)
         assert got.shape == (m, n) and got.dtype == torch.float32
         tol = 2e-5 * want.abs().max().item() * (k / 576) ** 0.5 + 1e-6
         err = (got.double() - want).abs().max().item()
@@ -50,13 +51,30 @@ def test_w8g_gemm_matches_fp64_reference(variant, shape):
     _check(q, s)
 
 
-def test_w8g_gemm_minus_128_weights(variant):
+@pytest.mark.parametrize("group", [32, 16])
+def test_w8g_gemm_minus_128_weights(variant, group):
     """q == -128 (a Q8_0 block may hold it): AVX2's sign trick cannot, those weights run the portable
     loop; every variant must still be exact."""
-    q, s = _case(48, 192, 32, seed=7, full_range=True)
+    q, s = _case(48, 192, group, seed=7, full_range=True)
     assert (q == -128).any()
     assert quant.pack("w8a8_native", q, s)["m128"]
     _check(q, s, rows=(1, 9))
+
+
+@pytest.mark.parametrize("group", [32, 16])
+def test_w8g_gemm_zero_points(variant, group):
+    """Zero points (GGUF Q5_1/Q5_K at group 32, Q2_K at 16): the symmetric kernel plus
+    ``group_sums(x) @ (-zero_point * scale)^T`` in fp32, held to the reference of that split. The
+    tolerance is the one above; the zero points here (|zp * scale| up to ~10x the largest
+    |q * scale|) add fp32 terms of that size: measured 1.1-1.6e-7 * max|y| (avx2, generic)."""
+    q, s = _case(40, 256, group, seed=9, full_range=True)
+    zp = (torch.randn(s.shape, generator=torch.Generator().manual_seed(10)) * 500).float()
+    zp[0] = 0  # a row without
+    assert quant.pack("w8a8_native", q, s, zp)["offset_t"] is not None
+    _check(q, s, rows=(1, 2, 9), zp=zp)
+    zero = torch.zeros_like(s)
+    assert quant.pack("w8a8_native", q, s, zero)["offset_t"] is None  # all-zero zero points cost nothing
+    _check(q, s, rows=(1,), zp=zero)
 
 
 def test_w8g_gemm_zero_and_constant_rows(variant):
@@ -76,7 +94,11 @@ def test_w8g_backend_validity():
     """Group-wise W8 goes to w8a8_native only; per-channel W8 to every W8 backend."""
     assert quant.backend_valid("w8a8_native", "w8a8", 64, 576, 32)
     assert quant.backend_valid("w8a8_native", "w8a8", 64, 576, 576)  # per channel: kernel group 64
-    assert not quant.backend_valid("w8a8_native", "w8a8", 64, 100, 100)  # K % 32
+    assert quant.backend_valid("w8a8_native", "w8a8", 64, 576, 16)  # GGUF Q6_K's sub-blocks
+    assert not quant.backend_valid("w8a8_native", "w8a8", 64, 100, 100)  # K % 16
+    assert not quant.backend_valid("w8a8_native", "w8a8", 64, 576, 8)  # no kernel group divides 8
+    assert not quant.backend_valid("w8a8_onednn", "w8a8", 64, 576, 16)
+    assert not quant.backend_valid("w8a16_int8pack", "w8a8", 64, 576, 16)
     assert not quant.backend_valid("w8a8_onednn", "w8a8", 64, 576, 32)
     assert not quant.backend_valid("w8a16_int8pack", "w8a8", 64, 576, 32)
     assert quant.backend_valid("w8a16_int8pack", "w8a8", 64, 576, 576)
@@ -84,13 +106,15 @@ def test_w8g_backend_validity():
     assert quant.pack("w8a8_native", *_case(16, 1536, None, 0))["group"] == 256
 
 
+@pytest.mark.parametrize("group", [256, 16])
 @pytest.mark.parametrize("pattern", ["all_max", "alternating_min_max", "random_extremes"])
-def test_w8g_gemm_worst_case_for_overflow(variant, pattern):
-    """The largest integer sums the kernel can meet, in its largest group (256): activations coded
+def test_w8g_gemm_worst_case_for_overflow(variant, pattern, group):
+    """The largest integer sums the kernel can meet, in its largest group (256; and the smallest, 16,
+    whose 4-step groups take every loop's shortest path): activations coded
     127 (and -128) against weights 127 (and -128, -127), every product at its largest and of one sign
     (no cancellation to hide a clipped partial sum), at decode and prefill rows. A pair sum in int16
     (VPMADDUBSW on u8 255 x 127) or an int32 overflow would be off by far more than the tolerance."""
-    n, k, group = 48, 512, 256
+    n, k = 48, 512
     even = torch.arange(k) % 2 == 0
     if pattern == "all_max":
         q = torch.full((n, k), 127, dtype=torch.int8)

@@ -27,7 +27,7 @@ from appliance import LLM, SamplingParams
 from appliance.layers import quant
 from appliance.layers.linear import Linear
 from appliance.layers.quant import QuantLinear
-from appliance.models import gguf_loader, loader
+from appliance.models import gguf_loader, gguf_quants, loader
 from appliance.models.gguf_loader import convert_gguf_to_hf
 from appliance.models.loader import iter_weights, model_info
 from appliance.models.quant_loader import load
@@ -363,7 +363,8 @@ def test_q4_1_constant_group_is_exact():
     rows[0, :32], rows[1, 32:], rows[2, :] = 0.3, -1e-3, 2.0
     rows[2, 40] = 2.5  # one group that is not constant
     blocks = gguf.quants.quantize(rows, gguf.GGMLQuantizationType.Q4_1)
-    q, d, zp = gguf_loader._decode_w4(blocks, "Q4_1", 3, 64)
+    w = gguf_quants.canonical("Q4_1", blocks, 3, 64)
+    q, d, zp = w.qweight.numpy(), w.scale.numpy(), w.zero_point.numpy()
     want = gguf_dequantize(blocks, gguf.GGMLQuantizationType.Q4_1)
     assert (d != 0).all() and np.isfinite(zp).all()
     got = quant.dequantize(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zp))
@@ -415,7 +416,8 @@ def test_q8_0_blocks_load_as_they_are(vocab, tmp_path, watch):
     cfg = model.config
     for name in sorted(DIRECT_Q8):
         mod = model.get_submodule(name)
-        assert mod.scheme == "w8a8" and mod.group_size == 32 and mod.weight_zero_point is None
+        assert mod.scheme == "w8a8" and mod.group_size == 32
+        assert not mod.weight_zero_point.data.any()  # grouped W8 holds a zero point; Q8_0's is 0
         assert mod.weight_scale.shape == (mod.out_features, mod.in_features // 32)
         # only the native backend takes W8 groups
         assert mod.candidates(torch.float32, CPU) == ["w8a8_native"]
@@ -443,7 +445,8 @@ def test_q8_0_decode_takes_every_int8_value():
     d[0, 0], d[1, 1] = 0, -d[1, 1]
     blocks = np.concatenate([d.reshape(rows, -1, 1).view(np.uint8).reshape(rows, -1, 2),
                              q.reshape(rows, -1, 32).view(np.uint8)], axis=-1).reshape(-1)
-    gq, gd, zp = gguf_loader._decode_w8(blocks, "Q8_0", rows, cols)
+    w = gguf_quants.canonical("Q8_0", blocks, rows, cols)
+    gq, gd, zp = w.qweight.numpy(), w.scale.numpy(), w.zero_point
     assert zp is None and np.array_equal(gq, q) and np.array_equal(gd, d.astype(np.float32))
     want = gguf_dequantize(blocks, gguf.GGMLQuantizationType.Q8_0).reshape(rows, cols)
     assert torch.equal(quant.dequantize(torch.from_numpy(gq), torch.from_numpy(gd)).float(), torch.from_numpy(want))

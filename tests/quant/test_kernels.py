@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import skip_unless_backend
+from helpers import assert_matches_reference, skip_unless_backend
 
 from appliance.layers import quant
 from appliance.layers.linear import Linear, select_backends
@@ -56,7 +56,7 @@ def test_backend_matches_fp64_reference(case, shape):
     g = k if group is None else group
     w = _weights(n, k)
     qw, s, *zp = quant.quantize_int8(w) if scheme == "w8a8" else quant.quantize_int4(w, g)
-    _assert_matches_reference(backend, qw, s, zp[0] if zp else None)
+    assert_matches_reference(backend, qw, s, zp[0] if zp else None)
 
 
 @pytest.mark.parametrize("backend", quant.BACKENDS["w4a8"])
@@ -71,8 +71,8 @@ def test_gguf_block_scales_match_reference(backend):
     assert not torch.equal(d, d.bfloat16().float()) and (d < 0).any()
     m = (torch.randn(n, k // 32, generator=g) * 0.03).half().float()
     zp = torch.where(torch.arange(n)[:, None] < n // 2, 0.0, (-8 - m.double() / d.abs().double()).float())
-    _assert_matches_reference(backend, qw, d, zp)
-    _assert_matches_reference(backend, qw, d.abs(), zp)
+    assert_matches_reference(backend, qw, d, zp)
+    assert_matches_reference(backend, qw, d.abs(), zp)
 
 
 def test_gguf_q8_0_block_scales_match_reference():
@@ -83,31 +83,7 @@ def test_gguf_q8_0_block_scales_match_reference():
     qw = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     d = (torch.randn(n, k // 32, generator=g) * 0.004).half().float()
     assert [b for b in quant.BACKENDS["w8a8"] if quant.backend_valid(b, "w8a8", n, k, 32)] == ["w8a8_native"]
-    _assert_matches_reference("w8a8_native", qw, d, None)
-
-
-def _assert_matches_reference(backend, qw, s, zp, xs=None):
-    n, k = qw.shape
-    bias = torch.randn(n) * 0.1
-    p = quant.pack(backend, qw, s, zp)
-    for x in xs or [torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in (1, 7, 33)]:
-        m = x.shape[0]
-        got = quant.run(backend, p, x, n, k) + bias
-        want = quant.reference(backend, x, qw, s, bias, zp)
-        # fp32 accumulation over k terms: the error grows ~sqrt(k) * eps * |terms|; given inputs
-        # (the worst cases) may cancel to ~0, so their bound scales with the sum of |terms|
-        size = want.abs().max().item() if xs is None else \
-            (x.abs().double() @ quant.dequantize(qw, s, zp).abs().t()).max().item() / 10
-        tol = 2e-5 * size * (k / 576) ** 0.5 + 1e-6
-        if backend in ("w4a16_int4pack", "w8a16_int8pack"):  # bf16 output (their fast route): 2^-9 relative
-            diff = (got.double() - bias.double() - (want - bias.double())).abs()
-            bound = (want - bias.double()).abs() * 2 ** -8 + tol
-            assert (diff <= bound).all(), f"{backend} m={m}: max excess {(diff - bound).max():.3g}"
-            continue
-        err = (got.double() - want).abs().max().item()
-        assert err <= tol, f"{backend} m={m}: max error {err:.3g} > {tol:.3g}"
-        if backend.endswith("a8"):  # activations are quantized: a float reference differs visibly
-            assert (got.double() - (x.double() @ quant.dequantize(qw, s, zp).t() + bias)).abs().max() > tol
+    assert_matches_reference("w8a8_native", qw, d, None)
 
 
 @pytest.mark.parametrize("backend", ["w8a16_int8pack", "w4a16_int4pack", "w8a8_onednn", "w8a8_native", "w4a8_dynquant"])
@@ -245,4 +221,4 @@ def test_worst_case_inputs_match_reference(backend):
             for i, qw in enumerate(_extreme_weights(n, k, lo, hi)):
                 s = torch.full((n, k // group), 0.01 * (1 + i))
                 zp = torch.zeros_like(s) if scheme == "w4a8" else None
-                _assert_matches_reference(backend, qw, s, zp, _extreme_activations(k))
+                assert_matches_reference(backend, qw, s, zp, _extreme_activations(k))

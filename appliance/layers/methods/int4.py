@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from appliance.layers.methods.base import FusedLinear, register
-from appliance.layers.methods.qmath import QuantMethod, add_group_offset, dequantize, offset, quant_act_asym
+from appliance.layers.methods.qmath import (QuantMethod, add_offset, dequantize, offset, offset_reference,
+                                            quant_act_asym)
 
 _INT4PACK_GROUPS = (256, 128, 64, 32)
 
@@ -39,22 +40,16 @@ class W4A8DynQuant(QuantMethod):
 
     def apply(self, p, x):
         xf = x.float()
-        y = torch._dyn_quant_matmul_4bit(xf, p["w"], p["group"], p["k"], p["n"])
-        return add_group_offset(y, xf, p["offset_t"], p["group"])
+        return add_offset(torch._dyn_quant_matmul_4bit(xf, p["w"], p["group"], p["k"], p["n"]), xf, p["offset_t"])
 
     def fused_descriptor(self, p, silu_mul_next=False):
-        return FusedLinear(5, p["w"], None, (None, None, p["offset_t"]), (p["group"], 0, p["group"]))
+        return FusedLinear(5, p["w"], None, (None, None, p["offset_t"]), (p["group"],))
 
     def _reference(self, x, qweight, scale, zero_point):
         # quantized activations meet the symmetric part; the zero point term meets float activations
         # (the kernel + group-sum GEMM split); group scales in bf16
-        xf = x.float()
         held = scale if scale.shape[1] == 1 else scale.bfloat16()
-        y = quant_act_asym(xf).double() @ dequantize(qweight, held).t()
-        off = offset(scale, zero_point)
-        if off is not None:
-            y = y + xf.double().reshape(x.shape[0], off.shape[1], -1).sum(-1) @ off.double().t()
-        return y
+        return quant_act_asym(x.float()).double() @ dequantize(qweight, held).t() + offset_reference(x, scale, zero_point)
 
 
 def int4pack_group(k: int, group_size: int) -> int | None:

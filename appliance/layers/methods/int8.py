@@ -1,7 +1,8 @@
 """W8 linear methods: ``w8a8_onednn``, ``w8a16_int8pack`` and ``w8a8_native``.
 
-W8 is symmetric per channel, rounded to nearest; a GGUF's Q8_0 blocks are W8 at group size 32, which
-only ``w8a8_native`` runs (``takes`` keeps them from the others).
+W8 is symmetric per channel, rounded to nearest. A GGUF's blocks give W8 groups of 32 (Q8_0, Q5_*) or 16
+(Q6_K, Q2_K, Q3_K), some with a zero point (``appliance.models.gguf_quants``): only ``w8a8_native`` runs
+those (``takes`` keeps them from the others).
 """
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import platform
 import torch
 
 from appliance.layers.methods.base import FusedLinear, native_extension_problem, register
-from appliance.layers.methods.qmath import QuantMethod, dequantize, quant_act, quant_act_asym
+from appliance.layers.methods.qmath import (QuantMethod, add_offset, dequantize, offset, offset_reference, quant_act,
+                                            quant_act_asym)
 
 _ARM = platform.machine().lower() in ("aarch64", "arm64")
-_NATIVE_W8_GROUPS = (256, 128, 64, 32)  # gemm_w8g_a8's groups (its int32 sums stay exact in fp32)
+_NATIVE_W8_GROUPS = (256, 128, 64, 32, 16)  # gemm_w8g_a8's groups (its int32 sums stay exact in fp32)
 
 
 class _W8A8(QuantMethod):
@@ -133,8 +135,9 @@ def _native():
 
 
 def native_w8_group(k: int, group_size: int) -> int | None:
-    """gemm_w8g_a8's group for a W8 layer of ``group_size`` (``k``: per channel, whose scale is repeated)."""
-    if k % 32:
+    """gemm_w8g_a8's group for a W8 layer of ``group_size`` (``k``: per channel, whose scale is repeated
+    over the largest kernel group dividing ``k``)."""
+    if k % 16 or k % group_size:
         return None
     return next((g for g in _NATIVE_W8_GROUPS if group_size % g == 0), None)
 
@@ -142,8 +145,10 @@ def native_w8_group(k: int, group_size: int) -> int | None:
 @register
 class W8A8Native(_W8A8):
     """The native kernels' ``gemm_w8g_a8`` (``native/neon_sve``; needs the extension built,
-    ``python -m appliance.ops.native --build``): W8 with a scale per group of 32 to 256 inputs
-    (per-channel scales are repeated over the largest such group dividing ``in``), ``in % 32 == 0``.
+    ``python -m appliance.ops.native --build``): W8 with a scale per group of 16 to 256 inputs
+    (per-channel scales are repeated over the largest such group dividing ``in``), ``in % 16 == 0``.
+    A zero point (GGUF's Q5_1/Q5_K/Q2_K blocks) is applied as ``w4a8_dynquant`` does: the kernel is
+    symmetric and ``group_sums(x) @ (-zero_point * scale)^T`` (fp32) is added (``qmath.add_offset``).
     Weights are packed once into 16-row tiles, 4 inputs x 16 rows per 64 bytes, with each group's
     integer weight sum; activations are quantized per token inside the kernel, bit for bit as
     ``quant_act``. Per group the integer dot product is exact (int32) and the zero point comes off
@@ -173,11 +178,18 @@ class W8A8Native(_W8A8):
         return {"w": q.reshape(tiles, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous(),
                 "scale": s.reshape(tiles, 16, k // kg).permute(0, 2, 1).contiguous(),
                 "wsum": wsum.reshape(tiles, 16, k // kg).permute(0, 2, 1).contiguous(),
-                "group": kg, "m128": bool((qweight == -128).any()), "n": n}
+                "group": kg, "m128": bool((qweight == -128).any()), "n": n,
+                "offset_t": None if (off := offset(scale, zero_point)) is None else off.t().contiguous()}
 
     def apply(self, p, x):
-        return _native().gemm_w8g_a8(x.float().contiguous(), p["w"], p["scale"], p["wsum"], p["n"], p["group"],
-                                     p["m128"])
+        xf = x.float().contiguous()
+        y = _native().gemm_w8g_a8(xf, p["w"], p["scale"], p["wsum"], p["n"], p["group"], p["m128"])
+        return add_offset(y, xf, p["offset_t"])
 
     def fused_descriptor(self, p, silu_mul_next=False):
-        return FusedLinear(3, p["w"], None, (p["scale"], p["wsum"], None), (p["group"], int(p["m128"]), p["group"]))
+        return FusedLinear(3, p["w"], None, (p["scale"], p["wsum"], p["offset_t"]), (p["group"], int(p["m128"])))
+
+    def _reference(self, x, qweight, scale, zero_point):
+        # quantized activations meet the symmetric part; the zero point term meets float activations
+        # (the kernel + group-sum GEMM split, as w4a8_dynquant)
+        return quant_act_asym(x.float()).double() @ dequantize(qweight, scale).t() + offset_reference(x, scale, zero_point)

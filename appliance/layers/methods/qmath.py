@@ -2,8 +2,8 @@
 quantization every A8 method performs, and the interface of a quantized method.
 
 The canonical form (``appliance.layers.quant``): ``qweight`` int8 ``[N, K]`` holding the signed
-integer values, ``scale`` float32 ``[N, K // group]`` and, for W4, ``zero_point`` of the same shape:
-``w = (q - zero_point) * scale``.
+integer values, ``scale`` float32 ``[N, K // group]`` and, for W4 and grouped W8, ``zero_point`` of the
+same shape: ``w = (q - zero_point) * scale``.
 """
 from __future__ import annotations
 
@@ -29,13 +29,22 @@ def offset(scale: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tensor
     return (-zero_point.float() * scale.float()).contiguous()
 
 
-def add_group_offset(y: torch.Tensor, xf: torch.Tensor, offset_t: torch.Tensor | None, group: int) -> torch.Tensor:
-    """``y + groupsums(xf) @ offset_t``: the zero-point term a symmetric kernel leaves out (``offset_t``
-    [K / group, N], ``offset`` transposed; None: nothing to add). The one-call decoder stack
-    (``add_offset`` in native/neon_sve/bindings/torch_bindings.cpp) runs the same two ops."""
-    if offset_t is None:
-        return y
-    return torch.addmm(y, xf.reshape(xf.shape[0], -1, group).sum(-1), offset_t)
+def group_sums(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """x [M, K] -> [M, groups]: the sum of each group of K / groups inputs."""
+    return x.reshape(x.shape[0], groups, -1).sum(-1)
+
+
+def add_offset(y: torch.Tensor, x: torch.Tensor, offset_t: torch.Tensor | None) -> torch.Tensor:
+    """A symmetric kernel's fp32 result ``y`` [M, N] plus the zero point's share,
+    ``group_sums(x) @ offset^T`` (fp32, float activations; ``offset_t`` [G, N] from ``offset``, or None):
+    a GEMM ``group`` times smaller than the layer's. How every method with zero points applies them."""
+    return y if offset_t is None else torch.addmm(y, group_sums(x, offset_t.shape[0]), offset_t)
+
+
+def offset_reference(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tensor | float:
+    """The fp64 reference of ``add_offset``'s term (x as float32, as the methods take it), or 0."""
+    off = offset(scale, zero_point)
+    return 0.0 if off is None else group_sums(x.float().double(), off.shape[1]) @ off.double().t()
 
 
 def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -152,7 +152,8 @@ torch::Tensor gemm_w8g_a8(const torch::Tensor& x, const torch::Tensor& w, const 
                           const torch::Tensor& wsum, int64_t n, int64_t group, bool has_m128) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "gemm_w8g_a8: x contiguous float32 [M, K]");
   const int64_t m = x.size(0), k = x.size(1), tiles = (n + 15) / 16;
-  TORCH_CHECK(group % 32 == 0 && group <= 256 && k % group == 0, "gemm_w8g_a8: group must be a multiple of 32, <= 256, dividing K");
+  TORCH_CHECK(group % 16 == 0 && group <= 256 && k % group == 0, "gemm_w8g_a8: group must be a multiple of 16, <= 256, dividing K; got group ",
+              group, " for K ", k);
   TORCH_CHECK(w.scalar_type() == torch::kInt8 && w.is_contiguous() && w.numel() == tiles * 16 * k,
               "gemm_w8g_a8: w int8 [ceil(N/16), K/4, 16, 4]");
   for (const auto* t : {&scale, &wsum})
@@ -209,13 +210,13 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
 // the float32 result plus the bias, cast to the activations' dtype) does it, op for op.
 //   kLinNative  gemm_f32 over pack_f32's panels;       kLinOneDNN  mkldnn::_linear_pointwise;
 //   kLinTorch   torch::linear;
-//   kLinW8G     gemm_w8g_a8 (w8a8_native): aux {scale, wsum, offset_t}, ints {group, has_m128, offset group};
+//   kLinW8G     gemm_w8g_a8 (w8a8_native): aux {scale, wsum, offset_t}, ints {group, has_m128};
 //   kLinInt4Pack _weight_int4pack_mm_for_cpu on bf16 activations (w4a16_int4pack): aux {scales and zeros},
 //               ints {group};
 //   kLinDynQuant4 _dyn_quant_matmul_4bit (w4a8_dynquant, KleidiAI on Arm): aux {-, -, offset_t},
-//               ints {group, -, offset group};
+//               ints {group};
 //   kLinInt8Pack _weight_int8pack_mm on bf16 activations (w8a16_int8pack): aux {bf16 scales}.
-// offset_t [K / g, N] (empty: none) is a group zero point's term: x's group sums times it, added.
+// offset_t [G, N] (empty: none) is the group zero points' term: x's G group sums times it, added.
 enum LinearKind : int64_t {
   kLinNative = 0, kLinOneDNN = 1, kLinTorch = 2, kLinW8G = 3, kLinInt4Pack = 4, kLinDynQuant4 = 5, kLinInt8Pack = 6
 };
@@ -272,10 +273,10 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
   const auto qsl = query_start_loc.to(torch::kInt32).contiguous();
   const auto cs = cos_sin.to(torch::kFloat32).contiguous();
   auto opt = [](const torch::Tensor& t) { return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt; };
-  // A group zero point's term (the methods' qmath.add_group_offset): y + x's group sums @ offset_t.
-  auto add_offset = [](const torch::Tensor& y, const torch::Tensor& xf, const torch::Tensor& off_t, int64_t g) {
+  // A group zero point's term, as the methods' qmath.add_offset: y + x's group sums @ offset_t [G, N].
+  auto add_offset = [](const torch::Tensor& y, const torch::Tensor& xf, const torch::Tensor& off_t) {
     if (!off_t.numel()) return y;
-    return torch::addmm(y, xf.reshape({xf.size(0), -1, g}).sum(-1), off_t);
+    return torch::addmm(y, xf.reshape({xf.size(0), off_t.size(0), -1}).sum(-1), off_t);
   };
   // lin: kLinearEntries tensors; ki: kLinearInts ints; n: output features
   auto linear = [&](const int64_t* ki, const torch::Tensor& x, const torch::Tensor* lin, int64_t n) -> torch::Tensor {
@@ -288,12 +289,12 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
     torch::Tensor y;
     if (kind == kLinW8G) {
       const auto xf = x.to(torch::kFloat32).contiguous();
-      y = add_offset(gemm_w8g_a8(xf, w, lin[2], lin[3], n, ki[1], ki[2] != 0), xf, lin[4], ki[3]);
+      y = add_offset(gemm_w8g_a8(xf, w, lin[2], lin[3], n, ki[1], ki[2] != 0), xf, lin[4]);
     } else if (kind == kLinInt4Pack) {
       y = at::_weight_int4pack_mm_for_cpu(x.to(torch::kBFloat16), w, ki[1], lin[2]).to(torch::kFloat32);
     } else if (kind == kLinDynQuant4) {
       const auto xf = x.to(torch::kFloat32);
-      y = add_offset(at::_dyn_quant_matmul_4bit(xf, w, ki[1], x.size(1), n), xf, lin[4], ki[3]);
+      y = add_offset(at::_dyn_quant_matmul_4bit(xf, w, ki[1], x.size(1), n), xf, lin[4]);
     } else if (kind == kLinInt8Pack) {
       y = at::_weight_int8pack_mm(x.to(torch::kBFloat16), w, lin[2]).to(torch::kFloat32);
     } else {

@@ -388,7 +388,9 @@ void check_w8g(const std::vector<const KernelTable*>& variants) {
   // (rows of -127 below), (2) activations coded 127 / -128 against weights 127 / -128, every product
   // at its largest (127 * 127, -128 * -128), with no cancellation to hide a clipped sum.
   const Case cases[] = {{1, 37, 96, 32, false, 0}, {5, 40, 160, 32, true, 0}, {9, 64, 576, 64, false, 0},
-                        {2, 17, 256, 256, false, 0}, {3, 32, 512, 256, false, 1}, {4, 33, 512, 256, true, 2}};
+                        {2, 17, 256, 256, false, 0}, {3, 32, 512, 256, false, 1}, {4, 33, 512, 256, true, 2},
+                        // group 16 (GGUF Q6_K): one SDOT pass / two SMMLA steps per group, pairs and a lone token
+                        {3, 40, 96, 16, false, 0}, {5, 33, 256, 16, true, 2}};
   Rng rng(7);
   for (const Case& c : cases) {
     const int tiles = (c.N + 15) / 16, groups = c.K / c.G;

@@ -50,13 +50,15 @@ struct AttentionArgs {
 //   out[m, n] = s[m] * sum_g scale[n, g] * (sum_{k in g} xq[m, k] q[n, k] - zp[m] wsum[n, g])
 // where the bracket is exact integer arithmetic (int32, then exact in fp32: |.| < 2^24 for
 // G <= 256) and the sum over groups is fp32.
+// Every variant steps through a group 4 inputs at a time (NEON SDOT: 16 at a time, SMMLA: 8),
+// so G = 16 is the smallest group each of them runs whole.
 struct W8GArgs {
   const float* x;       // [M, K] fp32, contiguous
   int64_t M, K, N;      // K % G == 0
   const int8_t* w;
   const float* scale;
   const float* wsum;
-  int group;            // G: a multiple of 32, at most 256
+  int group;            // G: a multiple of 16 (GGUF Q6_K's sub-blocks), at most 256; K % G == 0
   bool has_m128;        // some q == -128 (the AVX2 sign trick cannot take it: exact fallback)
   float* out;           // [M, N] fp32, contiguous
 };

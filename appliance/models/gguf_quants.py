@@ -1,0 +1,316 @@
+"""GGUF quantized blocks -> the canonical quantized weight form, kept quantized (no float matrix).
+
+The canonical form (``appliance.layers.methods.qmath``): ``qweight`` int8 ``[N, K]`` holding signed
+integers, ``scale`` float32 ``[N, K // group]`` and an optional ``zero_point`` of the same shape, with
+``w = (q - zero_point) * scale``. Each GGUF block type we keep is one class in ``KEPT`` (keyed by
+``gguf.GGMLQuantizationType[...].name``) that decodes a tensor's raw block bytes into that form; the
+reference for every layout is ``gguf.quants`` (its ``dequantize_blocks``), which the tests hold each
+class against. Every other type is not kept: the caller dequantizes it to float.
+
+What each type becomes (``u``: the unsigned integers a block stores, ``d``/``dmin``/``m``: its fp16
+scale, min scale and min; K-quants: super-blocks of 256 with 6- or 8-bit sub-scales ``sc`` and mins
+``mn``):
+
+======  =======================  ==============  ================================================
+type    gguf's weight            canonical       mapping
+======  =======================  ==============  ================================================
+Q4_0    ``d (u - 8)``             w4a8, g32       ``q = u - 8``, scale ``d``. Exact.
+Q4_1    ``d u + m``               w4a8, g32, zp   ``q = u - 8``, scale ``d``, ``zp = -8 - m / d``
+Q4_K    ``d sc u - dmin mn``      w4a8, g32, zp   ``q = u - 8``, scale ``d sc``, ``zp = -8 + dmin mn / (d sc)``
+Q5_0    ``d (u - 16)``            w8a8, g32       ``q = u - 16``, scale ``d``. Exact.
+Q5_1    ``d u + m``               w8a8, g32, zp   ``q = u - 16``, like Q4_1
+Q5_K    ``d sc u - dmin mn``      w8a8, g32, zp   ``q = u - 16``, like Q4_K
+Q8_0    ``d q``                   w8a8, g32       ``q``, scale ``d``. Exact.
+Q6_K    ``d sc (u - 32)``         w8a8, g16       ``q = u - 32``, scale ``d sc`` (int8 ``sc``). Exact.
+Q3_K    ``d (sc - 32) q3``        w8a8, g16       ``q = q3`` in [-4, 3], scale ``d (sc - 32)``. Exact.
+Q2_K    ``d sc u - dmin mn``      w8a8, g16, zp   ``q = u - 2``, like Q4_K
+======  =======================  ==============  ================================================
+
+Exact: the products of an fp16 scale (11 significant bits) with sub-scales (<= 8 bits) and integers
+(<= 6 bits) fit fp32's 24, so ``(q - 0) * scale`` is gguf's fp32 value bit for bit. With a min, the
+zero point is rounded to fp32 (computed from exact fp64 values): ``(q - zp) * scale`` then differs
+from the exact ``S u - M`` by at most ``2^-24 |zp * scale| = 2^-24 |M - c S|`` (``c`` the centre
+8, 16 or 2), about an fp32 ulp of the group's largest weight, which is also how far gguf's own fp32
+sum may be from it. The centre ``c`` (q = u - c) keeps ``|zp|`` and the zero-point term small
+where the group straddles 0, as trained weights do. A group whose scale is 0 (``d == 0`` or
+``sc == 0``: every weight ``-M``) gets ``u = 0`` and the power-of-two scale ``2^floor(log2 |M|)``
+instead, which makes it exact (``M / scale`` and ``zp`` are then exact in fp32).
+
+W4 groups run on ``w4a8_dynquant``/``w4a16_int4pack``; W8 groups (16 or 32, with or without zero
+point) only on ``w8a8_native`` (``QuantLinear(..., w8_groups=True)``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from appliance.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """One weight ``[N, K]`` in the canonical form: ``w = (qweight - zero_point) * scale`` per group of
+    ``group`` inputs. ``qweight`` int8 ``[N, K]``, ``scale`` float32 ``[N, K // group]``,
+    ``zero_point`` float32 ``[N, K // group]`` or None (symmetric)."""
+
+    scheme: str  # "w4a8" (q in [-8, 7]) or "w8a8" (q in [-128, 127])
+    group: int
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+
+
+class BlockType:
+    """One GGUF block type kept quantized. Subclasses set ``name`` (the GGUF type name), ``scheme``,
+    ``group`` and ``has_zero_point`` and implement ``decode``; ``block_size`` (weights per block) and
+    ``type_size`` (bytes per block) come from ``gguf.GGML_QUANT_SIZES``."""
+
+    name: str
+    scheme: str
+    group: int
+    has_zero_point: bool
+    block_size: int
+    type_size: int
+
+    def decode(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """uint8 ``[B, type_size]`` -> (int8 q ``[B, block_size]``, float32 scale
+        ``[B, block_size // group]``, float32 zero point of that shape or None)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        zp = ", zero point" if self.has_zero_point else ""
+        return f"<GGUF {self.name} kept as {self.scheme} group {self.group}{zp}>"
+
+
+# GGUF type name -> how its blocks become the canonical form
+KEPT: dict[str, BlockType] = {}
+
+
+def _keep(cls: type[BlockType]) -> type[BlockType]:
+    import gguf
+
+    cls.block_size, cls.type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[cls.name]]
+    if cls.block_size % cls.group:
+        raise ValueError(f"{cls.name}: group {cls.group} does not divide its block of {cls.block_size}")
+    KEPT[cls.name] = cls()
+    return cls
+
+
+def kept(type_name: str) -> BlockType | None:
+    """How a tensor of GGUF type ``type_name`` is kept (its ``scheme``, ``group``, ``has_zero_point``),
+    without decoding anything; None for a type that is not kept (dequantize it to float)."""
+    return KEPT.get(type_name)
+
+
+def canonical(type_name: str, raw: np.ndarray, n: int, k: int, where: str = "") -> QuantWeight:
+    """A GGUF weight of ``n`` rows (outputs) by ``k`` inputs, as raw block bytes (uint8, any shape of
+    the right size; ``gguf.GGUFReader`` gives ``tensor.data`` as ``[n, bytes per row]``), in the
+    canonical form. Rows stay in the file's order. ``where`` (e.g. "file.gguf: tensor 'blk.0...'")
+    prefixes error messages. Raises ``ModelLoadError`` for a type that is not kept or data of the
+    wrong size."""
+    at = f"{where}: " if where else ""
+    bt = KEPT.get(type_name)
+    if bt is None:
+        raise ModelLoadError(f"{at}GGUF type {type_name} is not kept quantized (kept: {', '.join(KEPT)})")
+    if k % bt.block_size:
+        raise ModelLoadError(f"{at}{type_name} weight [{n}, {k}]: {k} inputs is not a multiple of the "
+                             f"{type_name} block of {bt.block_size}")
+    raw = np.asarray(raw)
+    want = n * (k // bt.block_size) * bt.type_size
+    if raw.dtype != np.uint8 or raw.size != want:
+        raise ModelLoadError(f"{at}{type_name} weight [{n}, {k}]: expected {want} bytes ({n * k // bt.block_size} "
+                             f"blocks of {bt.type_size}), got {raw.size} {raw.dtype} values of shape {raw.shape}")
+    q, scale, zp = bt.decode(np.ascontiguousarray(raw).reshape(-1, bt.type_size))
+    return QuantWeight(bt.scheme, bt.group, torch.from_numpy(np.ascontiguousarray(q.reshape(n, k))),
+                       torch.from_numpy(np.ascontiguousarray(scale.reshape(n, k // bt.group), dtype=np.float32)),
+                       None if zp is None else
+                       torch.from_numpy(np.ascontiguousarray(zp.reshape(n, k // bt.group), dtype=np.float32)))
+
+
+# ---------------------------------------------------------------- bit unpacking
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 at byte ``at`` of each block, as float64 [B] (exact)."""
+    return np.ascontiguousarray(blocks[:, at:at + 2]).view("<f2")[:, 0].astype(np.float64)
+
+
+def _planes(b: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 [..., L] -> [..., 8 / bits, L]: plane j holds bits [bits j, bits (j + 1)) of every byte."""
+    shifts = np.arange(0, 8, bits, dtype=np.uint8)[:, None]
+    return (b[..., None, :] >> shifts) & np.uint8((1 << bits) - 1)
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 bytes of Q4_K/Q5_K sub-scales -> (sc, mn), each uint8 [B, 8] in 0..63. Bytes 0-3 hold
+    sc 0-3 in their low 6 bits and the top 2 bits of sc 4-7 above; bytes 4-7 the same for mn; bytes
+    8-11 the low 4 bits of sc 4-7 (low nibble) and mn 4-7 (high nibble)."""
+    lo_sc, lo_mn, mix = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = np.concatenate([lo_sc & 63, (mix & 15) | ((lo_sc >> 6) << 4)], axis=1)
+    mn = np.concatenate([lo_mn & 63, (mix >> 4) | ((lo_mn >> 6) << 4)], axis=1)
+    return sc, mn
+
+
+def _affine(u: np.ndarray, scale: np.ndarray, low: np.ndarray, centre: int):
+    """Groups of ``w = scale * u + low`` (u [B, G, g] unsigned; scale, low float64 [B, G], exact) ->
+    (q = u - centre, fp32 scale, fp32 zero point ``-centre - low / scale``), see the module docstring;
+    a group with scale 0 (every weight ``low``) gets u = 0 and a power-of-two scale, exactly."""
+    zero = scale == 0
+    if zero.any():
+        _, e = np.frexp(low)  # |low| in [2^(e-1), 2^e): low / 2^(e-1) in [1, 2), exact
+        scale = np.where(zero, np.where(low != 0, np.ldexp(1.0, e - 1), 1.0), scale)
+        u = np.where(zero[..., None], 0, u)
+    q = (u.astype(np.int16) - centre).astype(np.int8)
+    zp = -centre - low / scale
+    return q.reshape(q.shape[0], -1), scale.astype(np.float32), zp.astype(np.float32)
+
+
+def _low_high(b: np.ndarray) -> np.ndarray:
+    """uint8 [B, L] -> [B, 2L]: the low nibbles of the L bytes, then their high nibbles."""
+    return _planes(b, 4).reshape(b.shape[0], -1)
+
+
+# ---------------------------------------------------------------- the kept types
+
+@_keep
+class Q4_0(BlockType):
+    """fp16 d, then 16 bytes: weight j in the low nibble of byte j, weight j + 16 in its high one."""
+
+    name, scheme, group, has_zero_point = "Q4_0", "w4a8", 32, False
+
+    def decode(self, blocks):
+        u = _low_high(blocks[:, 2:18])
+        return (u.astype(np.int8) - 8), _f16(blocks, 0)[:, None].astype(np.float32), None
+
+
+@_keep
+class Q4_1(BlockType):
+    """fp16 d, fp16 m, then 16 bytes of nibbles as Q4_0."""
+
+    name, scheme, group, has_zero_point = "Q4_1", "w4a8", 32, True
+
+    def decode(self, blocks):
+        u = _low_high(blocks[:, 4:20])
+        return _affine(u[:, None, :], _f16(blocks, 0)[:, None], _f16(blocks, 2)[:, None], 8)
+
+
+def _q5_u(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    # qh: 4 bytes, bit j (little-endian) the 5th bit of weight j; qs: nibbles as Q4_0
+    return _low_high(qs) | (np.unpackbits(qh, axis=1, bitorder="little") << 4)
+
+
+@_keep
+class Q5_0(BlockType):
+    """fp16 d, 4 bytes of 5th bits, 16 bytes of low nibbles."""
+
+    name, scheme, group, has_zero_point = "Q5_0", "w8a8", 32, False
+
+    def decode(self, blocks):
+        u = _q5_u(blocks[:, 2:6], blocks[:, 6:22])
+        return (u.astype(np.int8) - 16), _f16(blocks, 0)[:, None].astype(np.float32), None
+
+
+@_keep
+class Q5_1(BlockType):
+    """fp16 d, fp16 m, 4 bytes of 5th bits, 16 bytes of low nibbles."""
+
+    name, scheme, group, has_zero_point = "Q5_1", "w8a8", 32, True
+
+    def decode(self, blocks):
+        u = _q5_u(blocks[:, 4:8], blocks[:, 8:24])
+        return _affine(u[:, None, :], _f16(blocks, 0)[:, None], _f16(blocks, 2)[:, None], 16)
+
+
+@_keep
+class Q8_0(BlockType):
+    """fp16 d, then the 32 int8 weights in order."""
+
+    name, scheme, group, has_zero_point = "Q8_0", "w8a8", 32, False
+
+    def decode(self, blocks):
+        return np.ascontiguousarray(blocks[:, 2:34]).view(np.int8), _f16(blocks, 0)[:, None].astype(np.float32), None
+
+
+def _k_affine(blocks: np.ndarray, u: np.ndarray, centre: int):
+    """Q4_K/Q5_K: fp16 d, fp16 dmin, 12 bytes of sub-scales; u [B, 8, 32]. w = d sc u - dmin mn."""
+    sc, mn = _k_scales(blocks[:, 4:16])
+    return _affine(u, _f16(blocks, 0)[:, None] * sc, -_f16(blocks, 2)[:, None] * mn, centre)
+
+
+@_keep
+class Q4_K(BlockType):
+    """fp16 d, fp16 dmin, 12 bytes of 6-bit sub-scales and mins, 128 bytes: bytes 32i..32i+31 hold
+    sub-block 2i in their low nibbles and sub-block 2i + 1 in their high ones."""
+
+    name, scheme, group, has_zero_point = "Q4_K", "w4a8", 32, True
+
+    def decode(self, blocks):
+        u = _planes(blocks[:, 16:144].reshape(-1, 4, 32), 4).reshape(-1, 8, 32)
+        return _k_affine(blocks, u, 8)
+
+
+@_keep
+class Q5_K(BlockType):
+    """Q4_K's header, then 32 bytes of 5th bits (bit j of byte l: weight l of sub-block j), then
+    Q4_K's 128 bytes of low nibbles."""
+
+    name, scheme, group, has_zero_point = "Q5_K", "w8a8", 32, True
+
+    def decode(self, blocks):
+        low = _planes(blocks[:, 48:176].reshape(-1, 4, 32), 4).reshape(-1, 8, 32)
+        u = low | (_planes(blocks[:, 16:48], 1) << 4)
+        return _k_affine(blocks, u, 16)
+
+
+@_keep
+class Q6_K(BlockType):
+    """128 bytes of low nibbles (per half h of 128 weights, bytes 64h..64h+63: weights 128h + l in the
+    low nibbles, 128h + 64 + l in the high ones), 64 bytes of high 2 bits (per half, bytes
+    32h..32h+31, bits 2j..2j+1: weight 128h + 32j + l), 16 int8 sub-scales (one per 16 weights),
+    fp16 d. w = d sc (u - 32)."""
+
+    name, scheme, group, has_zero_point = "Q6_K", "w8a8", 16, False
+
+    def decode(self, blocks):
+        low = _planes(blocks[:, 0:128].reshape(-1, 2, 64), 4).reshape(-1, 256)
+        high = _planes(blocks[:, 128:192].reshape(-1, 2, 32), 2).reshape(-1, 256)
+        q = (low | (high << 4)).astype(np.int8) - 32
+        sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float64)
+        return q, (_f16(blocks, 208)[:, None] * sc).astype(np.float32), None
+
+
+def _two_bit(qs: np.ndarray) -> np.ndarray:
+    # Q2_K/Q3_K's 64 bytes of 2-bit values: per half h, bytes 32h..32h+31, bits 2j..2j+1: weight
+    # 128h + 32j + l
+    return _planes(qs.reshape(-1, 2, 32), 2).reshape(-1, 256)
+
+
+@_keep
+class Q2_K(BlockType):
+    """16 bytes of sub-scales (low nibble sc, high nibble mn, one per 16 weights), 64 bytes of 2-bit
+    values, fp16 d, fp16 dmin. w = d sc u - dmin mn."""
+
+    name, scheme, group, has_zero_point = "Q2_K", "w8a8", 16, True
+
+    def decode(self, blocks):
+        s = blocks[:, 0:16]
+        u = _two_bit(blocks[:, 16:80]).reshape(-1, 16, 16)
+        return _affine(u, _f16(blocks, 80)[:, None] * (s & 15), -_f16(blocks, 82)[:, None] * (s >> 4), 2)
+
+
+@_keep
+class Q3_K(BlockType):
+    """32 bytes of high-bit mask (bit j of byte l: weight 32j + l), 64 bytes of 2-bit values (as
+    Q2_K), 12 bytes of 6-bit sub-scales (bytes 0-7: low nibbles of sc 0-7, then their high nibbles of
+    sc 8-15; bytes 8-11, bits 2j..2j+1 of byte 8 + i: the top 2 bits of sc 4j + i), fp16 d.
+    w = d (sc - 32) q with q = low 2 bits - 4 where the mask bit is clear: q in [-4, 3]."""
+
+    name, scheme, group, has_zero_point = "Q3_K", "w8a8", 16, False
+
+    def decode(self, blocks):
+        hmask = _planes(blocks[:, 0:32], 1).reshape(-1, 256)
+        q = _two_bit(blocks[:, 32:96]).astype(np.int8) - 4 * (1 - hmask).astype(np.int8)
+        s = blocks[:, 96:108]
+        sc = _low_high(s[:, 0:8]) | (_planes(s[:, 8:12], 2).reshape(-1, 16) << 4)
+        return q, (_f16(blocks, 108)[:, None] * (sc.astype(np.float64) - 32)).astype(np.float32), None
