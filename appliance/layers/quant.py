@@ -256,6 +256,11 @@ class QuantLinear(LinearBase):
             y = y + self.bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    def fused_descriptor(self):
+        # as forward applies it: the method's kernel, then the bias in float32, cast to x's dtype
+        d = None if self.packed is None else self.method.fused_descriptor(self.packed)
+        return None if d is None else d.with_bias(self.bias)
+
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, scheme={self.scheme}, "
                 f"group={self.group_size}, bias={self.bias is not None}, backend={self.backend}")

@@ -258,11 +258,14 @@ class LlamaForCausalLM(nn.Module):
                 return None
             if not (kc.is_contiguous() and vc.is_contiguous()):
                 return None
-            flat += [layer.input_layernorm.weight, qkv.weight, _or_empty(qkv.bias, empty),
-                     at.q_norm.weight if at.qk_norm else empty, at.k_norm.weight if at.qk_norm else empty,
-                     o.weight, layer.post_attention_layernorm.weight, gu.weight, _or_empty(gu.bias, empty),
-                     down.weight, _or_empty(down.bias, empty), kc, vc]
-            kinds += [d.kind for d in descs]
+            # the layout of llama_layers (native/neon_sve/bindings/torch_bindings.cpp): the layer's
+            # own tensors, then per projection weight, bias and 3 aux tensors, and 4 ints
+            flat += [layer.input_layernorm.weight, at.q_norm.weight if at.qk_norm else empty,
+                     at.k_norm.weight if at.qk_norm else empty, layer.post_attention_layernorm.weight, kc, vc]
+            for d in descs:
+                aux = tuple(d.aux) + (None,) * (3 - len(d.aux))
+                flat += [d.weight, _or_empty(d.bias, empty), *(_or_empty(a, empty) for a in aux)]
+                kinds += [d.kind, *(tuple(d.ints) + (0,) * (3 - len(d.ints)))]
         return flat, kinds
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

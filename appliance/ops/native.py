@@ -455,8 +455,8 @@ def llama_layers(embeds: torch.Tensor, positions: torch.Tensor, layers: list[tor
                  intermediate: int, scale: float, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
     """Every decoder layer of a Llama-family model and its final norm in one native call (see
-    ``llama_layers`` in native/neon_sve/bindings/torch_bindings.cpp for the 13 tensors per layer;
-    ``kinds``: the ``LinearKind`` of its q/k/v, o, gate/up and down projections, from their linear
+    ``llama_layers`` in native/neon_sve/bindings/torch_bindings.cpp for the 26 tensors per layer;
+    ``kinds``: the ``LinearKind`` and 3 ints of its q/k/v, o, gate/up and down projections, from their linear
     methods' ``fused_descriptor``, appliance/layers/methods)."""
     return _require().llama_layers(embeds, positions, layers, kinds, final_norm_w, float(eps), num_heads,
                                    num_kv_heads, head_dim, intermediate, float(scale), cos_sin, slot_mapping,

@@ -171,13 +171,51 @@ def test_fused_layers_equal_per_op_path_for_every_float_backend(tiny_model_dir, 
     assert fused_out == per_op_out
 
 
-def test_fused_layers_not_used_with_quantized_linears(tiny_model_dir, monkeypatch):
+QUANT_FUSED = {"w8a8_native": "w8a8", "w8a16_int8pack": "w8a8", "w4a16_int4pack": "w4a8", "w4a8_dynquant": "w4a8"}
+
+
+@pytest.mark.parametrize("linear", list(QUANT_FUSED))
+def test_fused_layers_equal_per_op_path_for_every_quantized_backend(tiny_model_dir, linear, monkeypatch):
+    """Quantized layers run in the one-call decoder stack too, each kind applied there as its method's
+    ``apply`` and QuantLinear.forward do (the W4 zero points' group-sum term included): the logits
+    of every step are bitwise the per-op path's, and so are the greedy tokens."""
     from appliance.ops import native
 
+    skip_unless_backend(linear, torch.float32)
+    calls = []
+    real = native.llama_layers
+    monkeypatch.setattr(native, "llama_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    llm = LLM(str(tiny_model_dir("qwen2", False, 2)), dtype="float32", quantization=QUANT_FUSED[linear],
+              linear_backend=linear, attention_backend="native", num_kv_blocks=128)
+    # keyed by shape: the quantized layers' keys start with the scheme (the lm_head stays float)
+    quant = {k: v for k, v in llm.engine.runner.linear_backends.items() if k.startswith(QUANT_FUSED[linear])}
+    assert quant and set(quant.values()) == {linear}, llm.engine.runner.linear_backends
+    tok = llm.get_tokenizer()
+    for p in PROMPTS:
+        ids = tok.encode(p)
+        fused = engine_logits(llm, ids)
+        monkeypatch.setattr(native, "FUSED_LAYERS", False)
+        per_op = engine_logits(llm, ids)
+        monkeypatch.setattr(native, "FUSED_LAYERS", True)
+        assert torch.equal(fused, per_op), (linear, (fused - per_op).abs().max())
+    assert len(calls) == len(PROMPTS)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ids = [tok.encode(p) for p in PROMPTS]
+    fused_out = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ids, sampling_params=sp)]
+    monkeypatch.setattr(native, "FUSED_LAYERS", False)
+    per_op_out = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ids, sampling_params=sp)]
+    assert fused_out == per_op_out
+
+
+def test_fused_layers_not_used_with_onednn_int8(tiny_model_dir, monkeypatch):
+    """oneDNN's int8 GEMM has no kind in the stack: a model using it runs op by op."""
+    from appliance.ops import native
+
+    skip_unless_backend("w8a8_onednn", torch.float32)
     calls = []
     real = native.llama_layers
     monkeypatch.setattr(native, "llama_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
     llm = LLM(str(tiny_model_dir("llama", False, 2)), dtype="float32", quantization="w8a8",
-              attention_backend="native", num_kv_blocks=128)
+              linear_backend="w8a8_onednn", attention_backend="native", num_kv_blocks=128)
     out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3 and calls == []

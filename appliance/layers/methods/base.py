@@ -19,11 +19,18 @@ SCHEMES = ("float", "w8a8", "w4a8")
 class FusedLinear:
     """How the one-call decoder stack (``ops.native.llama_layers``) applies a layer: ``kind`` is a
     ``LinearKind`` of native/neon_sve/bindings/torch_bindings.cpp, ``weight`` and ``bias`` (None
-    without one) the tensors it is applied with, as this method packed them."""
+    without one) the tensors it is applied with, as this method packed them; ``aux`` (up to 3
+    tensors, None for an unused slot) and ``ints`` (up to 3) what else the kind takes, in the order
+    the LinearKind comment there gives."""
 
     kind: int
     weight: torch.Tensor
     bias: torch.Tensor | None
+    aux: tuple[torch.Tensor | None, ...] = ()
+    ints: tuple[int, ...] = ()
+
+    def with_bias(self, bias: torch.Tensor | None) -> FusedLinear:
+        return FusedLinear(self.kind, self.weight, bias, self.aux, self.ints)
 
 
 class LinearMethod:

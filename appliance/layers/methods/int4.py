@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from appliance.layers.methods.base import register
+from appliance.layers.methods.base import FusedLinear, register
 from appliance.layers.methods.qmath import (QuantMethod, add_offset, dequantize, offset, offset_reference,
                                             quant_act_asym)
 
@@ -41,6 +41,9 @@ class W4A8DynQuant(QuantMethod):
     def apply(self, p, x):
         xf = x.float()
         return add_offset(torch._dyn_quant_matmul_4bit(xf, p["w"], p["group"], p["k"], p["n"]), xf, p["offset_t"])
+
+    def fused_descriptor(self, p, silu_mul_next=False):
+        return FusedLinear(5, p["w"], None, (None, None, p["offset_t"]), (p["group"],))
 
     def _reference(self, x, qweight, scale, zero_point):
         # quantized activations meet the symmetric part; the zero point term meets float activations
@@ -84,6 +87,9 @@ class W4A16Int4Pack(QuantMethod):
     def apply(self, p, x):  # its fp32 route is a slow reference (~30x): bf16 activations
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), p["w"], p["group"],
                                                           p["sz_bf16"]).float()
+
+    def fused_descriptor(self, p, silu_mul_next=False):
+        return FusedLinear(4, p["w"], None, (p["sz_bf16"],), (p["group"],))
 
     def _reference(self, x, qweight, scale, zero_point):  # bf16 activations, scales and offsets
         k = qweight.shape[1]

@@ -12,7 +12,7 @@ import platform
 
 import torch
 
-from appliance.layers.methods.base import native_extension_problem, register
+from appliance.layers.methods.base import FusedLinear, native_extension_problem, register
 from appliance.layers.methods.qmath import (QuantMethod, add_offset, dequantize, offset, offset_reference, quant_act,
                                             quant_act_asym)
 
@@ -121,6 +121,9 @@ class W8A16Int8Pack(QuantMethod):
     def apply(self, p, x):  # its fp32 route is a slow reference (~15-50x): bf16 activations
         return torch._weight_int8pack_mm(x.to(torch.bfloat16), p["w"], p["scale_bf16"]).float()
 
+    def fused_descriptor(self, p, silu_mul_next=False):
+        return FusedLinear(6, p["w"], None, (p["scale_bf16"],))
+
     def _reference(self, x, qweight, scale, zero_point):  # bf16 activations and scales (the fast route)
         return x.bfloat16().double() @ dequantize(qweight, scale.bfloat16()).t()
 
@@ -182,6 +185,9 @@ class W8A8Native(_W8A8):
         xf = x.float().contiguous()
         y = _native().gemm_w8g_a8(xf, p["w"], p["scale"], p["wsum"], p["n"], p["group"], p["m128"])
         return add_offset(y, xf, p["offset_t"])
+
+    def fused_descriptor(self, p, silu_mul_next=False):
+        return FusedLinear(3, p["w"], None, (p["scale"], p["wsum"], p["offset_t"]), (p["group"], int(p["m128"])))
 
     def _reference(self, x, qweight, scale, zero_point):
         # quantized activations meet the symmetric part; the zero point term meets float activations

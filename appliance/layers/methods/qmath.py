@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from appliance.layers.methods.base import LinearMethod
+from appliance.layers.methods.base import FusedLinear, LinearMethod
 
 
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None,
@@ -82,3 +82,7 @@ class QuantMethod(LinearMethod):
 
     def _reference(self, x, qweight, scale, zero_point) -> torch.Tensor:
         raise NotImplementedError
+
+    def fused_descriptor(self, p: dict, silu_mul_next: bool = False) -> FusedLinear | None:
+        """Without the bias (QuantLinear adds its own: ``FusedLinear.with_bias``)."""
+        return None

@@ -205,8 +205,21 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
-// A linear layer of llama_layers: how its weight was prepared by appliance/layers/linear.py.
-enum LinearKind : int64_t { kLinNative = 0, kLinOneDNN = 1, kLinTorch = 2 };
+// A linear layer of llama_layers: how its linear method (appliance/layers/methods) packed it. Each
+// is applied exactly as that method's ``apply`` (and QuantLinear.forward, for the quantized kinds:
+// the float32 result plus the bias, cast to the activations' dtype) does it, op for op.
+//   kLinNative  gemm_f32 over pack_f32's panels;       kLinOneDNN  mkldnn::_linear_pointwise;
+//   kLinTorch   torch::linear;
+//   kLinW8G     gemm_w8g_a8 (w8a8_native): aux {scale, wsum, offset_t}, ints {group, has_m128};
+//   kLinInt4Pack _weight_int4pack_mm_for_cpu on bf16 activations (w4a16_int4pack): aux {scales and zeros},
+//               ints {group};
+//   kLinDynQuant4 _dyn_quant_matmul_4bit (w4a8_dynquant, KleidiAI on Arm): aux {-, -, offset_t},
+//               ints {group};
+//   kLinInt8Pack _weight_int8pack_mm on bf16 activations (w8a16_int8pack): aux {bf16 scales}.
+// offset_t [G, N] (empty: none) is the group zero points' term: x's G group sums times it, added.
+enum LinearKind : int64_t {
+  kLinNative = 0, kLinOneDNN = 1, kLinTorch = 2, kLinW8G = 3, kLinInt4Pack = 4, kLinDynQuant4 = 5, kLinInt8Pack = 6
+};
 
 // oneDNN's prepacked linear, as Linear.forward calls it (mkldnn::_linear_pointwise, attr "none").
 torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
@@ -229,12 +242,15 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& w, cons
 // (appliance/models/llama.py) and in its order, so the results are the same. What it saves is the
 // Python between ops: ~10-25 us per op, ~4 ms of a 64-sequence decode step of the default model.
 // layers: kLayerEntries tensors per layer, an empty tensor where the layer has none:
-//   input_norm_w, qkv_w, qkv_bias, q_norm_w, k_norm_w, o_w, post_norm_w, gate_up_w, gate_up_bias,
-//   down_w, down_bias, key_cache, value_cache
-// kinds: 4 LinearKind per layer (q/k/v, o, gate/up, down). A native gate/up weight is packed for
-// the silu epilogue (its bias in the packed order); the others are followed by silu_and_mul.
+//   input_norm_w, q_norm_w, k_norm_w, post_norm_w, key_cache, value_cache, then for each of the
+//   q/k/v, o, gate/up and down projections kLinearEntries tensors: weight, bias, aux0, aux1, aux2
+// kinds: kLinearInts int64 per projection (kind, then three kind-specific ints), four per layer.
+// A native gate/up weight is packed for the silu epilogue (its bias in the packed order); the others
+// are followed by silu_and_mul.
 // Returns the final norm of the last hidden states, [num_tokens, hidden].
-constexpr size_t kLayerEntries = 13;
+constexpr size_t kLinearEntries = 5;
+constexpr size_t kLinearInts = 4;
+constexpr size_t kLayerEntries = 6 + 4 * kLinearEntries;
 
 torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& positions,
                            const std::vector<torch::Tensor>& layers, const std::vector<int64_t>& kinds,
@@ -245,7 +261,7 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
   TORCH_CHECK(!layers.empty() && layers.size() % kLayerEntries == 0, "llama_layers: ", kLayerEntries,
               " tensors per layer, got ", layers.size());
   const size_t L = layers.size() / kLayerEntries;
-  TORCH_CHECK(kinds.size() == 4 * L, "llama_layers: 4 linear kinds per layer");
+  TORCH_CHECK(kinds.size() == 4 * kLinearInts * L, "llama_layers: ", 4 * kLinearInts, " ints per layer");
   TORCH_CHECK(embeds.dim() == 2, "llama_layers: embeds [T, hidden]");
   dtype_of(embeds, "embeds");
   const int64_t T = embeds.size(0), hidden = embeds.size(1);
@@ -257,12 +273,35 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
   const auto qsl = query_start_loc.to(torch::kInt32).contiguous();
   const auto cs = cos_sin.to(torch::kFloat32).contiguous();
   auto opt = [](const torch::Tensor& t) { return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt; };
-  auto linear = [&](int64_t kind, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
-                    int64_t n) -> torch::Tensor {
-    if (kind == kLinNative) return gemm_f32(x, w, opt(b), n, false);
-    if (kind == kLinOneDNN) return onednn_linear(x, w, opt(b));
-    TORCH_CHECK(kind == kLinTorch, "llama_layers: unknown linear kind ", kind);
-    return torch::linear(x, w, opt(b));
+  // A group zero point's term, as the methods' qmath.add_offset: y + x's group sums @ offset_t [G, N].
+  auto add_offset = [](const torch::Tensor& y, const torch::Tensor& xf, const torch::Tensor& off_t) {
+    if (!off_t.numel()) return y;
+    return torch::addmm(y, xf.reshape({xf.size(0), off_t.size(0), -1}).sum(-1), off_t);
+  };
+  // lin: kLinearEntries tensors; ki: kLinearInts ints; n: output features
+  auto linear = [&](const int64_t* ki, const torch::Tensor& x, const torch::Tensor* lin, int64_t n) -> torch::Tensor {
+    const int64_t kind = ki[0];
+    const torch::Tensor& w = lin[0];
+    const auto b = opt(lin[1]);
+    if (kind == kLinNative) return gemm_f32(x, w, b, n, false);
+    if (kind == kLinOneDNN) return onednn_linear(x, w, b);
+    if (kind == kLinTorch) return torch::linear(x, w, b);
+    torch::Tensor y;
+    if (kind == kLinW8G) {
+      const auto xf = x.to(torch::kFloat32).contiguous();
+      y = add_offset(gemm_w8g_a8(xf, w, lin[2], lin[3], n, ki[1], ki[2] != 0), xf, lin[4]);
+    } else if (kind == kLinInt4Pack) {
+      y = at::_weight_int4pack_mm_for_cpu(x.to(torch::kBFloat16), w, ki[1], lin[2]).to(torch::kFloat32);
+    } else if (kind == kLinDynQuant4) {
+      const auto xf = x.to(torch::kFloat32);
+      y = add_offset(at::_dyn_quant_matmul_4bit(xf, w, ki[1], x.size(1), n), xf, lin[4]);
+    } else if (kind == kLinInt8Pack) {
+      y = at::_weight_int8pack_mm(x.to(torch::kBFloat16), w, lin[2]).to(torch::kFloat32);
+    } else {
+      TORCH_CHECK(false, "llama_layers: unknown linear kind ", kind);
+    }
+    if (b.has_value()) y = y + b->to(torch::kFloat32);
+    return y.to(x.scalar_type());
   };
   auto head_norm = [&](const torch::Tensor& x, const torch::Tensor& w) {  // Qwen3's q/k RMSNorm
     const auto xc = x.contiguous();
@@ -275,19 +314,20 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
   rms_norm(residual, layers[0], eps, h);
   for (size_t l = 0; l < L; ++l) {
     const torch::Tensor* p = &layers[l * kLayerEntries];
-    const int64_t* kind = &kinds[4 * l];
-    torch::Tensor kc = p[11], vc = p[12];
+    const torch::Tensor* lin = p + 6;  // q/k/v, o, gate/up, down: kLinearEntries each
+    const int64_t* ki = &kinds[kLinearInts * 4 * l];
+    torch::Tensor kc = p[4], vc = p[5];
     if (l > 0) {
       auto hn = torch::empty_like(residual);
       fused_add_rms_norm(h, residual, p[0], eps, hn);
       h = hn;
     }
-    const auto qkv = linear(kind[0], h, p[1], p[2], qkv_n);
+    const auto qkv = linear(ki, h, lin, qkv_n);
     torch::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
-    if (p[3].numel()) q = head_norm(q, p[3]);
-    if (p[4].numel()) k = head_norm(k, p[4]);
+    if (p[1].numel()) q = head_norm(q, p[1]);
+    if (p[2].numel()) k = head_norm(k, p[2]);
     auto qr = torch::empty({T, num_heads, head_dim}, qkv.options());
     auto kr = torch::empty({T, num_kv_heads, head_dim}, qkv.options());
     rotary_embedding(pos, q, cs, true, qr);
@@ -295,18 +335,19 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
     reshape_and_cache(kr, v, kc, vc, slots);
     auto attn = torch::empty({T, num_heads, head_dim}, qkv.options());
     paged_attention(qr, kc, vc, bt, sl, qsl, scale, attn);
-    const auto o = linear(kind[1], attn.view({T, q_size}), p[5], torch::Tensor(), hidden);
+    const auto o = linear(ki + kLinearInts, attn.view({T, q_size}), lin + kLinearEntries, hidden);
     auto hn = torch::empty_like(residual);
-    fused_add_rms_norm(o, residual, p[6], eps, hn);
+    fused_add_rms_norm(o, residual, p[3], eps, hn);
     torch::Tensor act;
-    if (kind[2] == kLinNative) {
-      act = gemm_f32(hn, p[7], opt(p[8]), 2 * intermediate, true);
+    const torch::Tensor* gu_lin = lin + 2 * kLinearEntries;
+    if (ki[2 * kLinearInts] == kLinNative) {
+      act = gemm_f32(hn, gu_lin[0], opt(gu_lin[1]), 2 * intermediate, true);
     } else {
-      const auto gu = linear(kind[2], hn, p[7], p[8], 2 * intermediate);
+      const auto gu = linear(ki + 2 * kLinearInts, hn, gu_lin, 2 * intermediate);
       act = torch::empty({T, intermediate}, gu.options());
       silu_and_mul(gu, act);
     }
-    h = linear(kind[3], act, p[9], p[10], hidden);
+    h = linear(ki + 3 * kLinearInts, act, lin + 3 * kLinearEntries, hidden);
   }
   auto out = torch::empty_like(residual);
   fused_add_rms_norm(h, residual, final_norm_w, eps, out);
