@@ -49,7 +49,7 @@ def serve(
     attention_backend: Annotated[Optional[str], Opt(help="auto | native | reference.")] = None,
     linear_backend: Annotated[Optional[str], Opt(
         help="auto (measured per shape) | torch | onednn | native | w8a8_onednn | w8a8_native | w8a16_int8pack | w4a8_dynquant | w4a16_int4pack.")] = None,
-    quantization: Annotated[Optional[str], Opt(help="Quantize a float checkpoint at load: none | w8a8 | w4a8.")] = None,
+    quantization: Annotated[Optional[str], Opt(help="Quantize a float checkpoint at load: none | w8a8 | w4a8; gguf: a GGUF's projections as the file stores them.")] = None,
     quant_group_size: Annotated[Optional[int], Opt(help="W4 group size along the input dimension.")] = None,
     long_prefill_token_threshold: Annotated[Optional[int], Opt(
         help="Cap on one request's prefill tokens per step (0: none).")] = None,
@@ -122,7 +122,7 @@ def generate(
     block_size: Annotated[Optional[int], typer.Option(help="Tokens per KV block.")] = None,
     attention_backend: Annotated[Optional[str], typer.Option(help="auto | native | reference.")] = None,
     linear_backend: Annotated[Optional[str], typer.Option(help="auto (measured per shape) | torch | onednn | native | w8a8_onednn | ...")] = None,
-    quantization: Annotated[Optional[str], typer.Option(help="Quantize at load: none | w8a8 | w4a8.")] = None,
+    quantization: Annotated[Optional[str], typer.Option(help="Quantize at load: none | w8a8 | w4a8; gguf: a GGUF's projections as the file stores them.")] = None,
     quant_group_size: Annotated[Optional[int], typer.Option(help="W4 group size.")] = None,
     num_threads: Annotated[Optional[int], typer.Option(help="Threads for the model.")] = None,
 ):

@@ -16,7 +16,8 @@ DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "native", "reference")
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "native",  # float; then quantized (appliance/layers/quant.py)
                    "w8a8_onednn", "w8a8_native", "w8a16_int8pack", "w4a8_dynquant", "w4a16_int4pack")
-QUANTIZATIONS = ("none", "w8a8", "w4a8")
+# "gguf": a GGUF's projections as the file stores them (vLLM's name), each in its type's scheme
+QUANTIZATIONS = ("none", "w8a8", "w4a8", "gguf")
 ALLOCATORS = ("mimalloc", "glibc-tuned", "system")
 
 

@@ -371,6 +371,8 @@ def kept_types(quantization: str, group_size: int, linear_backend: str = "auto",
     tensor is dequantized to float (and quantized after loading if ``quantization`` asks).
 
     - ``none``: none (the model runs float, as the dequantized file);
+    - ``gguf``: every kept type, each in its own scheme (W4 group 32; W8 groups when ``w8a8_native``
+      runs here): a Q4_K_M file keeps its Q4_K layers as W4 and its Q6_K ones as W8 group 16;
     - ``w4a8`` at ``group_size`` 32 (the default, the GGUF block size): the W4 group-32 types;
     - ``w8a8``: the W8 types, when a method that takes W8 groups of 32 (only ``w8a8_native``) can run
       here and ``linear_backend`` does not force a per-channel one (``w8a8_onednn``, ``w8a16_int8pack``).
@@ -378,6 +380,8 @@ def kept_types(quantization: str, group_size: int, linear_backend: str = "auto",
     from appliance.layers import quant
 
     kept = gguf_quants.KEPT.values()
+    if quantization == "gguf":
+        return kept_types("w4a8", GGUF_BLOCK, linear_backend, path) + kept_types("w8a8", group_size, linear_backend, path)
     if quantization == "w8a8":
         if linear_backend in quant.BACKENDS["w8a8"] and linear_backend != "w8a8_native":
             log.info("%s: linear_backend=%s takes per-channel W8 only, not a GGUF's groups; quantizing the "

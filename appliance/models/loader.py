@@ -133,6 +133,9 @@ def open_source(info: ModelInfo, quantization: str = "none", group_size: int = 3
     if info.path.is_file():  # a GGUF (model_info accepts no other file)
         keep = gguf_loader.kept_types(quantization, group_size, linear_backend, info.path)
         return gguf_loader.GGUFSource(info.path, keep, info.hf_config)
+    if quantization == "gguf" and gguf_loader.gguf_source(info.path) is None:
+        raise ModelLoadError(f"{info.path}: quantization=gguf keeps a GGUF file's own quantized tensors; this model "
+                             "is a directory, not a GGUF (use none, w8a8 or w4a8)")
     where = str(info.path / "config.json")
     qc = info.hf_config.get("quantization_config")
     source, scheme = None, None
@@ -165,7 +168,8 @@ def load(info: ModelInfo, dtype: torch.dtype, device: torch.device, quantization
     model = build_model_for(info, source, device)
     # float layers to be quantized are loaded in fp32 (quantized from the checkpoint's values, not a
     # bf16 copy, as `convert` does)
-    quantize_floats = quantization != "none" and not prequantized
+    # "gguf": the file's quantized projections as they are, the others float
+    quantize_floats = quantization in ("w8a8", "w4a8") and not prequantized
     cast_float(model, torch.float32 if quantize_floats else dtype)
     load_weights(model, source, info.architecture)
     process_weights_after_loading(model, quantization if quantize_floats else "none", group_size, dtype, info.path)
