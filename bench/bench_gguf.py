@@ -76,7 +76,7 @@ SHAPES = {
                      "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
                      "bos_token_id": 151643, "eos_token_id": 151643},
 }
-APPLIANCE_SETTINGS = {"float32": "none", "w4a8": "w4a8", "w8a8": "w8a8"}
+APPLIANCE_SETTINGS = {"float32": "none", "w4a8": "w4a8", "w8a8": "w8a8", "gguf": "gguf"}
 MODELS_VERSION = 1  # bump when the written model changes
 
 
