@@ -198,7 +198,7 @@ def test_requantizing_a_quantized_checkpoint_is_refused(ct_dir):
 def test_bad_quantization_arguments(llama_dir):
     from appliance.errors import InvalidRequestError
 
-    with pytest.raises(InvalidRequestError, match="quantization must be one of none, w8a8, w4a8; got 'int3'"):
+    with pytest.raises(InvalidRequestError, match="quantization must be one of none, w8a8, w4a8, gguf; got 'int3'"):
         LLM(str(llama_dir), quantization="int3", **KW)
     with pytest.raises(ModelLoadError, match="quant_group_size=48"):
         LLM(str(llama_dir), quantization="w4a8", quant_group_size=48, **KW)
