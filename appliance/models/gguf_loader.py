@@ -511,14 +511,20 @@ def tokenizer_dir(gguf_path: Path, cache_root: Path) -> Path:
             reader = open_gguf(gguf_path)
             meta = _read_metadata(reader, gguf_path)
             config, _ = _build_configs(reader, meta, gguf_path)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-            try:
-                _write_tokenizer(tmp, gguf_path, meta, config)
-                _replace_dir(tmp, out)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
+            _build_dir(out, lambda tmp: _write_tokenizer(tmp, gguf_path, meta, config))
     return out
+
+
+def _build_dir(out: Path, fill) -> None:
+    """``fill(tmp)`` writes a directory in a temp dir beside ``out``, renamed into place once whole (a
+    crash never leaves half of one)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        fill(tmp)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _write_tokenizer(out: Path, gguf_path: Path, meta: dict, config: dict) -> None:
