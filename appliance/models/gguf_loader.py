@@ -234,7 +234,9 @@ def _build_configs(reader, meta: dict, path: Path) -> tuple[dict, dict]:
         "torch_dtype": "float32",
     }
     if window is not None:
-        config["sliding_window"] = window  # every layer (no use_sliding_window / layer_types here)
+        config["sliding_window"] = window  # on every layer
+        if hf_arch in ("qwen2", "qwen3"):  # their configs switch it on, from layer max_window_layers
+            config.update(use_sliding_window=True, max_window_layers=0)
     elif hf_arch == "mistral":
         config["sliding_window"] = None  # the file records none; llama.cpp runs full attention
     rope_scaling = _rope_scaling(meta, arch)
