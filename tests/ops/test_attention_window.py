@@ -149,3 +149,37 @@ def test_bad_arguments_are_refused():
         run(reference.paged_attention, args, -1, 0.0)
     with pytest.raises(ValueError, match="logits_soft_cap must be >= 0"):
         run(reference.paged_attention, args, 0, -math.inf)
+
+
+@pytest.mark.parametrize("ops_name", ["reference", "native"])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (5, None), (None, 3.0), (5, 3.0)])
+def test_attention_layer_prefill_honours_window_and_cap(ops_name, window, soft_cap):
+    """The layer's prefill-from-scratch path (SDPA under the reference ops) knows neither a window nor
+    a cap: with either set the layer must attend through paged_attention, and match the oracle."""
+    from appliance.layers.attention import Attention
+    from appliance.layers.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+
+    ops = {"reference": reference, "native": native}[ops_name]
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, d, bs = 4, 2, 16, 4
+    lens = [20, 13]
+    q = torch.randn(sum(lens), heads, d, generator=g) * 1.5
+    k = torch.randn(sum(lens), kv_heads, d, generator=g)
+    v = torch.randn(sum(lens), kv_heads, d, generator=g)
+    nbs = [-(-n // bs) for n in lens]
+    table = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, -1]], dtype=torch.int32)
+    slots = torch.cat([table[i, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+                       for i, n in enumerate(lens)])
+    shape = reference.kv_cache_shape(sum(nbs), bs, kv_heads, d)
+    caches = [(torch.zeros(shape), torch.zeros(shape))]
+    md = AttentionMetadata(slot_mapping=slots, block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                           query_start_loc=torch.tensor([0, 20, 33], dtype=torch.int32), max_query_len=20,
+                           max_seq_len=20, is_prefill_only=True)
+    scale = d ** -0.5
+    layer = Attention(heads, kv_heads, d, scale, 0, sliding_window=window, logits_soft_cap=soft_cap)
+    with set_forward_context(ForwardContext(md, caches, ops)):
+        got = layer(q, k, v).view(-1, heads, d)
+    dense = [(k[:20].transpose(0, 1).double(), v[:20].transpose(0, 1).double()),
+             (k[20:].transpose(0, 1).double(), v[20:].transpose(0, 1).double())]
+    want = dense_reference(q, dense, [(20, 20), (13, 13)], scale, window or 0, soft_cap or 0.0)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
