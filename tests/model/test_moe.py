@@ -1,0 +1,298 @@
+"""Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) against transformers 5.24 on tiny random-weight
+models (8 experts, top-2): greedy tokens, logits, the experts each token is routed to, the grouped
+expert pass against a per-token loop, both checkpoint layouts, every schedule, quantized experts."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+import transformers
+from helpers import engine_logits
+from safetensors.torch import load_file, save_file
+
+from appliance import LLM, SamplingParams
+from appliance.config import EngineConfig
+from appliance.engine.llm_engine import LLMEngine
+from appliance.errors import ModelLoadError
+from appliance.layers.fused_moe import grouped_experts
+from appliance.models.moe import MoeConfig, MoeForCausalLM, SparseMoeBlock
+from appliance.ops import reference as reference_ops
+
+PROMPTS = [
+    "The quick brown fox",
+    "Paris is the capital of France. Hello world! Héllo wörld, ünïcode ✓ 東京 and a longer tail of words",
+    "def f(x): return x * 2",
+    "Hello",
+]
+MAX_NEW = 24
+# (arch, config overrides): Qwen2-MoE also with a dense first layer (mlp_only_layers), every other
+# layer sparse (decoder_sparse_step) and renormalized top-k weights
+CASES = [
+    ("mixtral", {}),
+    ("qwen2_moe", {}),
+    ("qwen2_moe", dict(num_hidden_layers=4, mlp_only_layers=[0], decoder_sparse_step=2, norm_topk_prob=True)),
+    ("qwen3_moe", {}),
+    ("qwen3_moe", dict(norm_topk_prob=False)),
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def _hf(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+
+
+def hf_greedy(hf, prompts_ids, max_new):
+    outs = []
+    for ids in prompts_ids:
+        g = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                        max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        outs.append(g[0, len(ids):].tolist())
+    return outs
+
+
+def _sparse_layers(model):
+    return [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+
+
+@pytest.mark.parametrize("arch,overrides", CASES, ids=lambda v: v if isinstance(v, str) else
+                         "-".join(f"{k}={v}" for k, v in v.items()) or "default")
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_greedy_and_logits_match_transformers(tiny_model_dir, arch, overrides, backend):
+    path = tiny_model_dir(arch, **overrides)
+    llm = LLM(str(path), dtype="float32", attention_backend=backend, num_kv_blocks=128)
+    model = llm.engine.runner.model
+    assert isinstance(model, MoeForCausalLM)
+    hf_cfg = json.loads((path / "config.json").read_text())
+    n_layers = hf_cfg["num_hidden_layers"]
+    want_sparse = [i not in overrides.get("mlp_only_layers", []) and (i + 1) % overrides.get("decoder_sparse_step", 1)
+                   == 0 for i in range(n_layers)]
+    assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers] == want_sparse
+    assert all(len(b.experts) == 8 for b in _sparse_layers(model))
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(p) for p in PROMPTS]
+    outs = llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)
+    hf = _hf(path)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, ids, MAX_NEW)
+    for p in ids:
+        with torch.no_grad():
+            want = hf(torch.tensor([p])).logits[0, -1].float()
+        torch.testing.assert_close(engine_logits(llm, p), want, atol=1e-4, rtol=0)
+    llm.engine.check_integrity()
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_experts_chosen_per_token_equal_transformers(tiny_model_dir, arch):
+    """The router's top-k expert ids of every token in every sparse layer, hooked on both sides, are
+    transformers' (as sets: the order within a token's top-k does not change its output), and the
+    routing weights agree to float32 rounding."""
+    path = tiny_model_dir(arch)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=128)
+    hf = _hf(path)
+    ours, theirs = [], []
+    hooks = [b.gate.register_forward_hook(lambda m, i, o: ours.append(o)) for b in _sparse_layers(llm.engine.runner.model)]
+    hooks += [layer.mlp.gate.register_forward_hook(lambda m, i, o: theirs.append(o)) for layer in hf.model.layers]
+    tok = llm.get_tokenizer()
+    try:
+        for p in PROMPTS:
+            ids = tok.encode(p)
+            ours.clear(), theirs.clear()
+            engine_logits(llm, ids)
+            with torch.no_grad():
+                hf(torch.tensor([ids]))
+            assert len(ours) == len(theirs) == 2
+            for (_, w, e), (_, hw, he) in zip(ours, theirs):
+                assert e.shape == he.shape == (len(ids), 2)
+                assert torch.equal(e.sort(-1).values, he.sort(-1).values)
+                # pair each weight with its expert before comparing
+                torch.testing.assert_close(w.gather(1, e.argsort(-1)), hw.float().gather(1, he.argsort(-1)),
+                                           atol=1e-6, rtol=0)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _random_block(cfg: MoeConfig, dtype=torch.float64) -> SparseMoeBlock:
+    torch.manual_seed(0)
+    block = SparseMoeBlock(cfg).to(dtype)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.2)
+    return block
+
+
+def _per_token_reference(block: SparseMoeBlock, x: torch.Tensor, top_w: torch.Tensor,
+                         top_e: torch.Tensor) -> torch.Tensor:
+    """Test-only oracle, fp64: for each token, its top-k experts (``top_e``, weights ``top_w``)
+    applied one at a time from their weights, weighted and summed (and the shared expert)."""
+    x, top_w = x.double(), top_w.double()
+    out = torch.zeros_like(x)
+
+    def mlp(m, v):
+        gu = m.gate_up_proj.weight.double()
+        i = gu.shape[0] // 2
+        return (torch.nn.functional.silu(v @ gu[:i].t()) * (v @ gu[i:].t())) @ m.down_proj.weight.double().t()
+
+    for t in range(x.shape[0]):
+        for j in range(top_e.shape[1]):
+            out[t] += top_w[t, j] * mlp(block.experts[int(top_e[t, j])], x[t])
+        if block.shared_expert is not None:
+            g = torch.sigmoid(x[t] @ block.shared_expert_gate.weight.double()[0])
+            out[t] += g * mlp(block.shared_expert, x[t])
+    return out
+
+
+@pytest.mark.parametrize("arch", ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_grouped_experts_equal_per_token_loop(arch, tokens):
+    """The grouped pass (sort once, each expert once on its rows, one index_add) in fp64 equals a
+    per-token loop over each token's experts, to fp64 rounding; with 40 tokens over 16 experts every
+    expert gets several rows, with 1 token most get none."""
+    hf = dict(architectures=[arch], vocab_size=32, hidden_size=48, intermediate_size=40, moe_intermediate_size=24,
+              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=16,
+              num_local_experts=16, num_experts_per_tok=4, shared_expert_intermediate_size=56, norm_topk_prob=True)
+    from appliance.models.moe import ARCHS
+
+    cfg = MoeConfig.from_hf(hf, ARCHS[arch], arch)
+    block = _random_block(cfg)
+    x = torch.randn(tokens, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(tokens))
+    _, w, e = block.gate(x)
+    # the routing itself: transformers' softmax -> top-k -> renormalize, here in fp64
+    probs = torch.softmax(x @ block.gate.weight.t(), -1)
+    want_w, want_e = torch.topk(probs, 4, dim=-1)
+    want_w = want_w / want_w.sum(-1, keepdim=True)
+    assert torch.equal(e, want_e)
+    torch.testing.assert_close(w.double(), want_w, atol=1e-6, rtol=0)  # softmax in float32, as transformers
+    want = _per_token_reference(block, x, w, e)
+    calls = []
+    for e in block.experts:  # each expert is called at most once per step
+        e.register_forward_hook(lambda m, i, o: calls.append((id(m), i[1].shape[0])))
+    got = block(reference_ops, x)
+    assert len(calls) == len(set(c[0] for c in calls)) == len(set(want_e.flatten().tolist()))
+    assert sum(c[1] for c in calls) == tokens * 4
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+def test_grouped_experts_weights_dtype_as_transformers():
+    """bfloat16: Qwen casts the routing weights to bf16 before weighting; Mixtral weights in float32
+    and casts the product. grouped_experts follows the weights' dtype it is given."""
+    experts = torch.nn.ModuleList([_Scale(2.0), _Scale(3.0)])
+    x = torch.tensor([[1.0, 3.0]], dtype=torch.bfloat16)
+    ids = torch.tensor([[0, 1]])
+    w = torch.tensor([[0.3, 0.7]])
+    got32 = grouped_experts(None, x, ids, w, experts)
+    got16 = grouped_experts(None, x, ids, w.bfloat16(), experts)
+    want32 = ((2 * x).float() * 0.3).bfloat16() + ((3 * x).float() * 0.7).bfloat16()
+    want16 = (2 * x) * torch.tensor(0.3).bfloat16() + (3 * x) * torch.tensor(0.7).bfloat16()
+    assert torch.equal(got32, want32) and torch.equal(got16, want16)
+    assert got32.dtype == got16.dtype == torch.bfloat16
+
+
+class _Scale(torch.nn.Module):
+    def __init__(self, s):
+        super().__init__()
+        self.s = s
+
+    def forward(self, ops, x):
+        return x * self.s
+
+
+def _to_fused_3d(src, dst):
+    """The same model with its experts saved as transformers holds them in memory: one
+    ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I] per layer."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        if ".experts." in name:
+            prefix, rest = name.split(".experts.")
+            e, kind, _ = rest.split(".")
+            experts.setdefault(prefix, {}).setdefault(int(e), {})[kind] = t
+        else:
+            out[name] = t
+    for prefix, per in experts.items():
+        n = len(per)
+        gate = {"w1", "gate_proj"}
+        up = {"w3", "up_proj"}
+        down = {"w2", "down_proj"}
+        pick = lambda d, names: next(v for k, v in d.items() if k in names)  # noqa: E731
+        out[f"{prefix}.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([pick(per[e], gate), pick(per[e], up)]) for e in range(n)])
+        out[f"{prefix}.experts.down_proj"] = torch.stack([pick(per[e], down) for e in range(n)])
+    (dst / "model.safetensors").unlink()
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_fused_3d_expert_checkpoint_loads_the_same(tiny_model_dir, tmp_path, arch):
+    src = tiny_model_dir(arch)
+    fused = _to_fused_3d(src, tmp_path / "fused")
+    names = load_file(str(fused / "model.safetensors")).keys()
+    assert any(n.endswith("experts.gate_up_proj") for n in names) and not any(".experts.0." in n for n in names)
+    a = LLM(str(src), dtype="float32", num_kv_blocks=64)
+    b = LLM(str(fused), dtype="float32", num_kv_blocks=64)
+    ids = a.get_tokenizer().encode(PROMPTS[1])
+    assert torch.equal(engine_logits(a, ids), engine_logits(b, ids))
+
+
+# ---------------------------------------------------------------- every schedule
+
+SHARED = "Paris is the capital of France. The quick brown fox jumps over the lazy dog. " * 2
+SCHEDULES = {
+    "chunked_prefill": dict(max_num_batched_tokens=8),
+    "prefix_cache": dict(),  # staggered: later requests hit the shared prefix's blocks
+    "preemption": dict(num_kv_blocks=16, block_size=8),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tiny_model_dir):
+    path = tiny_model_dir("qwen2_moe")
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=512, enable_prefix_caching=False)
+    tok = llm.get_tokenizer()
+    rng = random.Random(0)
+    ids = [tok.encode(t) for t in (SHARED + "Hello", SHARED + "def f(x)", "Hello", SHARED * 2 + "ünïcode ✓")]
+    ids.append([rng.randrange(3, 384) for _ in range(50)])
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    return path, ids, [llm.generate(prompt_token_ids=[p], sampling_params=params)[0].outputs[0].token_ids
+                       for p in ids]
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_same_tokens_under_any_schedule(moe_reference, name):
+    from test_engine_invariance import run_engine
+
+    path, ids, expected = moe_reference
+    cfg = dict(dtype="float32", num_kv_blocks=512)
+    cfg.update(SCHEDULES[name])
+    engine = LLMEngine(EngineConfig(model=str(path), **cfg))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    stagger = 2 if name == "prefix_cache" else 0
+    assert run_engine(engine, ids, params, stagger=stagger) == expected
+    if name == "preemption":
+        assert engine.scheduler.num_preemptions > 0
+    if name == "prefix_cache":
+        assert engine.kv.pool.num_hits > 0
+
+
+# ---------------------------------------------------------------- bad configs
+
+@pytest.mark.parametrize("arch,field,value", [
+    ("mixtral", "sliding_window", 8),
+    ("qwen3_moe", "use_sliding_window", True),
+    ("qwen2_moe", "hidden_act", "gelu"),
+    ("qwen3_moe", "attention_bias", True),
+    ("qwen3_moe", "num_experts_per_tok", 9),
+])
+def test_unsupported_moe_config_is_refused(tiny_model_dir, tmp_path, arch, field, value):
+    dst = shutil.copytree(tiny_model_dir(arch), tmp_path / "m")
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg[field] = value
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError) as e:
+        LLM(str(dst), dtype="float32", num_kv_blocks=16)
+    assert field in str(e.value) and str(value) in str(e.value)
