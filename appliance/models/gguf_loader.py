@@ -41,7 +41,9 @@ from appliance.models import gguf_quants
 
 log = logging.getLogger("appliance")
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+# mixture-of-experts architectures (their ffn_*_exps tensors load one expert at a time, see _tensor_plan)
+MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
 GGUF_MAGIC = b"GGUF"
 SOURCE_RECORD = "gguf_source.json"  # in a converted directory: the GGUF it came from
 # GGUF types whose blocks are W4 groups of GGUF_BLOCK weights as they are (see the module docstring)
@@ -53,6 +55,8 @@ _HF_ARCH = {
     "mistral": ("mistral", "MistralForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -75,6 +79,18 @@ _LAYER_TENSORS = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # mixture of experts: the router, Qwen2-MoE's shared expert and its sigmoid gate
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+}
+# 3-D expert tensors (GGUF ne [k, n, experts]): expert e's slice is "model.layers.N.mlp.experts.e.<proj>"
+_EXPERT_TENSORS = {
+    "ffn_gate_exps.weight": "gate_proj.weight",
+    "ffn_up_exps.weight": "up_proj.weight",
+    "ffn_down_exps.weight": "down_proj.weight",
 }
 
 
@@ -168,7 +184,7 @@ def _read_metadata(reader, path: Path) -> dict:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if meta.get(f"{arch}.expert_count", 0):
+    if meta.get(f"{arch}.expert_count", 0) and arch not in MOE_ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: mixture-of-experts GGUF ({arch}.expert_count={meta[f'{arch}.expert_count']}) is not supported")
     return meta
@@ -224,6 +240,8 @@ def _build_configs(reader, meta: dict, path: Path) -> tuple[dict, dict]:
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "torch_dtype": "float32",
     }
+    if arch in MOE_ARCHITECTURES:
+        config.update(_moe_config(meta, arch, tensors, config, path))
     if hf_arch == "mistral":
         config["sliding_window"] = None  # GGUF does not record one; llama.cpp runs full attention
     rope_scaling = _rope_scaling(meta, arch)
@@ -249,6 +267,45 @@ def _build_configs(reader, meta: dict, path: Path) -> tuple[dict, dict]:
     if len(stop_ids) > 1:
         generation_config["eos_token_id"] = stop_ids
     return config, generation_config
+
+
+def _moe_config(meta: dict, arch: str, tensors: dict, config: dict, path: Path) -> dict:
+    """The HF config fields of a qwen2moe / qwen3moe file. As llama.cpp runs them: softmax gating,
+    top-k weights renormalized for qwen3moe and not for qwen2moe (its build_moe_ffn's norm_w), no
+    weight scale; a layer without a router (ffn_gate_inp) is a dense MLP (``mlp_only_layers``)."""
+    def need(key: str):
+        if f"{arch}.{key}" not in meta:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return int(meta[f"{arch}.{key}"])
+
+    scale = meta.get(f"{arch}.expert_weights_scale")
+    if scale not in (None, 0, 0.0, 1, 1.0):
+        raise ModelLoadError(f"{path}: {arch}.expert_weights_scale={scale} is not supported (supported: 1)")
+    gating = meta.get(f"{arch}.expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ModelLoadError(f"{path}: {arch}.expert_gating_func={gating} is not supported (supported: 1, softmax)")
+    n_layers = config["num_hidden_layers"]
+    out = {
+        "num_experts": need("expert_count"),
+        "num_experts_per_tok": need("expert_used_count"),
+        "moe_intermediate_size": need("expert_feed_forward_length"),
+        "norm_topk_prob": arch == "qwen3moe",
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors],
+    }
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = need("expert_shared_feed_forward_length")
+        out["qkv_bias"] = config["attention_bias"]
+        out["attention_bias"] = False
+    return out
+
+
+class _ExpertSlice:
+    """One expert's [n, k] slice of a 3-D GGUF expert tensor, read like a GGUF tensor (``name``,
+    ``tensor_type``, ``data``: the slice of the memmap, its quantized blocks as they are)."""
+
+    def __init__(self, t, e: int):
+        self.name, self.tensor_type, self.data = f"{t.name}[{e}]", t.tensor_type, t.data[e]
 
 
 def _rope_scaling(meta: dict, arch: str) -> dict | None:
@@ -316,6 +373,15 @@ def _tensor_plan(reader, meta: dict, config: dict, path: Path):
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # folded into config["rope_scaling"]
+        parts = t.name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in _EXPERT_TENSORS and arch in MOE_ARCHITECTURES:
+            shape = tuple(int(d) for d in reversed(t.shape))  # [experts, n, k]
+            if len(shape) != 3:
+                raise ModelLoadError(f"{path}: tensor {t.name!r} has shape {shape}, expected 3-D [experts, n, k]")
+            for e in range(shape[0]):
+                yield (_ExpertSlice(t, e), f"model.layers.{int(parts[1])}.mlp.experts.{e}.{_EXPERT_TENSORS[parts[2]]}",
+                       shape[1:], None)
+            continue
         if t.name in _GLOBAL_TENSORS:
             hf_name = _GLOBAL_TENSORS[t.name]
         else:
@@ -324,6 +390,8 @@ def _tensor_plan(reader, meta: dict, config: dict, path: Path):
                 raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for architecture {arch!r}")
             hf_name = f"model.layers.{int(parts[1])}.{_LAYER_TENSORS[parts[2]]}"
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (the fastest dim) first
+        if hf_name.endswith(".shared_expert_gate.weight") and len(shape) == 1:
+            shape = (1, shape[0])  # llama.cpp stores the [1, hidden] gate as a vector
         n_heads = None
         if arch == "llama" and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
             n_heads = config["num_attention_heads" if ".attn_q." in t.name else "num_key_value_heads"]

@@ -402,3 +402,159 @@ def test_quantized_moe_model_in_the_engine(tiny_model_dir, scheme):
         assert (got - want).abs().max() <= 0.04 * want.abs().max(), (got - want).abs().max() / want.abs().max()
     one_by_one = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0].outputs[0].token_ids for p in ids]
     assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)] == one_by_one
+
+
+# ---------------------------------------------------------------- GGUF
+
+GGUF_VOCAB = 2048
+
+
+@pytest.fixture(scope="module")
+def gguf_vocab():
+    """A valid 2048-token BPE cut from the default model's GGUF vocabulary (as tests/model/test_gguf.py)."""
+    import gguf
+
+    from appliance.models import default_model
+
+    reader = gguf.GGUFReader(default_model.default_gguf_path())
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()[:GGUF_VOCAB]
+    kept = set(tokens)
+    merges = [m for m in reader.fields["tokenizer.ggml.merges"].contents()
+              if (pair := m.split(" "))[0] in kept and pair[1] in kept and pair[0] + pair[1] in kept]
+    return {"tokens": tokens, "merges": merges,
+            "token_type": reader.fields["tokenizer.ggml.token_type"].contents()[:GGUF_VOCAB]}
+
+
+def write_moe_gguf(hf_dir, path, vocab, expert_type: str | None = None):
+    """The HF Qwen3-MoE / Qwen2-MoE model at ``hf_dir`` as llama.cpp's convert script writes it (names
+    from its src/llama-arch.cpp: ffn_gate_inp router, ffn_{gate,up,down}_exps 3-D [experts, n, k],
+    *_shexp shared expert), every tensor F32 but the expert tensors, which are ``expert_type``
+    (e.g. Q4_0) when given. Returns {GGUF name: the float32 values the file holds}."""
+    import gguf
+    import numpy as np
+
+    from appliance.models import gguf_loader
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}[cfg["model_type"]]
+    hf = {k: v.numpy() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny {arch}")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(vocab["tokens"])
+    w.add_token_types(vocab["token_type"])
+    w.add_token_merges(vocab["merges"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    to_gguf = {f"model.layers.{{}}.{v}": k for k, v in gguf_loader._LAYER_TENSORS.items()}
+    written = {}
+
+    def add(name, value, qtype=None):
+        if qtype is None:
+            w.add_tensor(name, value)
+            written[name] = value
+        else:
+            t = gguf.GGMLQuantizationType[qtype]
+            blocks = gguf.quants.quantize(value, t)
+            w.add_tensor(name, blocks, raw_dtype=t)
+            written[name] = gguf.quants.dequantize(blocks, t).reshape(value.shape)
+
+    add("token_embd.weight", hf.pop("model.embed_tokens.weight"))
+    add("output_norm.weight", hf.pop("model.norm.weight"))
+    add("output.weight", hf.pop("lm_head.weight"))
+    n_exp = cfg.get("num_experts") or cfg["num_local_experts"]
+    for i in range(cfg["num_hidden_layers"]):
+        for proj, gname in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
+            names = [f"model.layers.{i}.mlp.experts.{e}.{proj}.weight" for e in range(n_exp)]
+            if names[0] in hf:
+                add(f"blk.{i}.{gname}.weight", np.stack([hf.pop(n) for n in names]), expert_type)
+    for name, value in hf.items():
+        i = name.split(".")[2]
+        key = name.replace(f"model.layers.{i}.", "model.layers.{}.")
+        add(f"blk.{i}.{to_gguf[key]}", value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return written
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_moe_gguf_gives_the_hf_models_tokens(tiny_model_dir, tmp_path, gguf_vocab, arch):
+    """A tiny Qwen3-MoE / Qwen2-MoE written as GGUF (float32 tensors) loads straight from the file and
+    gives the HF model's greedy tokens and last-token logits (1e-4)."""
+    src = tiny_model_dir(arch, vocab_size=GGUF_VOCAB)
+    path = tmp_path / f"{arch}.gguf"
+    write_moe_gguf(src, path, gguf_vocab)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=128)
+    model = llm.engine.runner.model
+    assert isinstance(model, MoeForCausalLM) and len(_sparse_layers(model)) == 2
+    rng = random.Random(1)
+    ids = [[rng.randrange(3, GGUF_VOCAB) for _ in range(n)] for n in (5, 23, 1, 40)]
+    hf = _hf(src)
+    outs = llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, ids, MAX_NEW)
+    for p in ids:
+        with torch.no_grad():
+            want = hf(torch.tensor([p])).logits[0, -1].float()
+        torch.testing.assert_close(engine_logits(llm, p), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_moe_gguf_quantized_experts_load_as_they_are(tiny_model_dir, tmp_path, gguf_vocab, monkeypatch, qtype):
+    """Quantized ffn_*_exps tensors load one expert at a time as their blocks (never quantized from a
+    float matrix); the logits equal transformers' model holding the file's dequantized expert weights
+    up to the experts' int8 activations (as test_quantized_moe_model_in_the_engine)."""
+    from helpers import skip_unless_backend
+
+    from appliance.layers import quant
+
+    if qtype == "Q8_0":
+        skip_unless_backend("w8a8_native")  # the only method for a GGUF's W8 groups
+    src = tiny_model_dir("qwen3_moe", vocab_size=GGUF_VOCAB)
+    path = tmp_path / "q.gguf"
+    written = write_moe_gguf(src, path, gguf_vocab, expert_type=qtype)
+
+    def refuse(*a, **k):
+        raise AssertionError("a layer was quantized from float")
+
+    monkeypatch.setattr(quant, "quantize_int4", refuse)
+    monkeypatch.setattr(quant, "quantize_int8", refuse)
+    # gguf: the file's quantized tensors as they are (W4 group 32, W8 group 32), the others float
+    llm = LLM(str(path), dtype="float32", quantization="gguf", num_kv_blocks=128)
+    scheme = "w4a8" if qtype == "Q4_0" else "w8a8"
+    for b in _sparse_layers(llm.engine.runner.model):
+        assert all(isinstance(m.gate_up_proj, quant.QuantLinear) and m.gate_up_proj.scheme == scheme
+                   and m.gate_up_proj.group_size == 32 and isinstance(m.down_proj, quant.QuantLinear) for m in b.experts)
+    hf = _hf(src)
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            g, u, d = (torch.from_numpy(written[f"blk.{i}.ffn_{p}_exps.weight"]) for p in ("gate", "up", "down"))
+            layer.mlp.experts.gate_up_proj.copy_(torch.cat([g, u], dim=1))
+            layer.mlp.experts.down_proj.copy_(d)
+    rng = random.Random(2)
+    for n in (7, 30):
+        p = [rng.randrange(3, GGUF_VOCAB) for _ in range(n)]
+        with torch.no_grad():
+            want = hf(torch.tensor([p])).logits[0, -1].float()
+        got = engine_logits(llm, p)
+        assert (got - want).abs().max() <= 0.04 * want.abs().max(), (got - want).abs().max() / want.abs().max()
