@@ -10,6 +10,10 @@ HF stores them as two halves); we undo that exactly as transformers' own GGUF lo
 (``LlamaTensorProcessor._reverse_permute_weights``). qwen2/qwen3 are stored unpermuted (llama.cpp
 runs them in NEOX rope mode).
 
+Mixture of experts (qwen2moe, qwen3moe, and llama with an expert_count: Mixtral): each 3-D
+``ffn_{gate,up,down}_exps`` tensor is read one expert at a time (``_ExpertSlice``, a slice of the
+memmap) under the per-expert HF name, so an expert's quantized blocks are kept like any projection's.
+
 Which tensors stay quantized (``kept_types``): with ``--quantization w4a8`` at group size 32 the W4
 group-32 block types (Q4_0, Q4_1, Q4_K), with ``w8a8`` the W8 ones (Q5_0/1, Q5_K, Q8_0, Q6_K, ...)
 when ``w8a8_native`` (the only method for W8 groups) runs here; each decoded from its raw blocks into
@@ -42,8 +46,9 @@ from appliance.models import gguf_quants
 log = logging.getLogger("appliance")
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
-# mixture-of-experts architectures (their ffn_*_exps tensors load one expert at a time, see _tensor_plan)
-MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
+# mixture-of-experts architectures (their ffn_*_exps tensors load one expert at a time, see _tensor_plan);
+# llama with an expert_count is Mixtral
+MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "llama")
 GGUF_MAGIC = b"GGUF"
 SOURCE_RECORD = "gguf_source.json"  # in a converted directory: the GGUF it came from
 # GGUF types whose blocks are W4 groups of GGUF_BLOCK weights as they are (see the module docstring)
@@ -55,6 +60,7 @@ _HF_ARCH = {
     "mistral": ("mistral", "MistralForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "mixtral": ("mixtral", "MixtralForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
@@ -184,7 +190,7 @@ def _read_metadata(reader, path: Path) -> dict:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if meta.get(f"{arch}.expert_count", 0) and arch not in MOE_ARCHITECTURES:
+    if _is_moe(meta) and arch not in MOE_ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: mixture-of-experts GGUF ({arch}.expert_count={meta[f'{arch}.expert_count']}) is not supported")
     return meta
@@ -221,6 +227,8 @@ def _build_configs(reader, meta: dict, path: Path) -> tuple[dict, dict]:
     name = str(meta.get("general.name", ""))
     # llama.cpp stores Mistral as "llama"; transformers' GGUF loader does the same name check.
     hf_arch = "mistral" if arch == "llama" and "mistral" in name.lower() else arch
+    if arch == "llama" and _is_moe(meta):
+        hf_arch = "mixtral"
     model_type, architecture = _HF_ARCH[hf_arch]
     config = {
         "architectures": [architecture],
@@ -240,7 +248,7 @@ def _build_configs(reader, meta: dict, path: Path) -> tuple[dict, dict]:
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "torch_dtype": "float32",
     }
-    if arch in MOE_ARCHITECTURES:
+    if _is_moe(meta):
         config.update(_moe_config(meta, arch, tensors, config, path))
     if hf_arch == "mistral":
         config["sliding_window"] = None  # GGUF does not record one; llama.cpp runs full attention
@@ -269,10 +277,15 @@ def _build_configs(reader, meta: dict, path: Path) -> tuple[dict, dict]:
     return config, generation_config
 
 
+def _is_moe(meta: dict) -> bool:
+    return bool(meta.get(f"{meta['general.architecture']}.expert_count", 0))
+
+
 def _moe_config(meta: dict, arch: str, tensors: dict, config: dict, path: Path) -> dict:
-    """The HF config fields of a qwen2moe / qwen3moe file. As llama.cpp runs them: softmax gating,
-    top-k weights renormalized for qwen3moe and not for qwen2moe (its build_moe_ffn's norm_w), no
-    weight scale; a layer without a router (ffn_gate_inp) is a dense MLP (``mlp_only_layers``)."""
+    """The HF config fields of a qwen2moe / qwen3moe / llama-MoE (Mixtral) file. As llama.cpp runs
+    them: softmax gating, top-k weights renormalized for qwen3moe and llama (Mixtral) and not for
+    qwen2moe (its build_moe_ffn's norm_w), no weight scale; a Qwen layer without a router
+    (ffn_gate_inp) is a dense MLP (``mlp_only_layers``), a Mixtral one is refused."""
     def need(key: str):
         if f"{arch}.{key}" not in meta:
             raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
@@ -285,13 +298,20 @@ def _moe_config(meta: dict, arch: str, tensors: dict, config: dict, path: Path) 
     if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
         raise ModelLoadError(f"{path}: {arch}.expert_gating_func={gating} is not supported (supported: 1, softmax)")
     n_layers = config["num_hidden_layers"]
+    dense = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    if arch == "llama":  # Mixtral: every layer sparse, experts as wide as feed_forward_length
+        if dense:
+            raise ModelLoadError(f"{path}: llama mixture-of-experts layer {dense[0]} has no ffn_gate_inp (router); "
+                                 "every Mixtral layer is sparse")
+        return {"num_local_experts": need("expert_count"), "num_experts_per_tok": need("expert_used_count"),
+                "sliding_window": None}
     out = {
         "num_experts": need("expert_count"),
         "num_experts_per_tok": need("expert_used_count"),
         "moe_intermediate_size": need("expert_feed_forward_length"),
         "norm_topk_prob": arch == "qwen3moe",
         "decoder_sparse_step": 1,
-        "mlp_only_layers": [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors],
+        "mlp_only_layers": dense,
     }
     if arch == "qwen2moe":
         out["shared_expert_intermediate_size"] = need("expert_shared_feed_forward_length")
@@ -374,7 +394,7 @@ def _tensor_plan(reader, meta: dict, config: dict, path: Path):
         if t.name == "rope_freqs.weight":
             continue  # folded into config["rope_scaling"]
         parts = t.name.split(".", 2)
-        if len(parts) == 3 and parts[0] == "blk" and parts[2] in _EXPERT_TENSORS and arch in MOE_ARCHITECTURES:
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in _EXPERT_TENSORS and _is_moe(meta):
             shape = tuple(int(d) for d in reversed(t.shape))  # [experts, n, k]
             if len(shape) != 3:
                 raise ModelLoadError(f"{path}: tensor {t.name!r} has shape {shape}, expected 3-D [experts, n, k]")

@@ -426,7 +426,7 @@ def gguf_vocab():
 
 
 def write_moe_gguf(hf_dir, path, vocab, expert_type: str | None = None):
-    """The HF Qwen3-MoE / Qwen2-MoE model at ``hf_dir`` as llama.cpp's convert script writes it (names
+    """The HF Qwen3-MoE / Qwen2-MoE / Mixtral model at ``hf_dir`` as llama.cpp's convert script writes it (names
     from its src/llama-arch.cpp: ffn_gate_inp router, ffn_{gate,up,down}_exps 3-D [experts, n, k],
     *_shexp shared expert), every tensor F32 but the expert tensors, which are ``expert_type``
     (e.g. Q4_0) when given. Returns {GGUF name: the float32 values the file holds}."""
@@ -436,8 +436,17 @@ def write_moe_gguf(hf_dir, path, vocab, expert_type: str | None = None):
     from appliance.models import gguf_loader
 
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}[cfg["model_type"]]
-    hf = {k: v.numpy() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    arch = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}[cfg["model_type"]]
+    hf = {}
+    for k, v in load_file(str(hf_dir / "model.safetensors")).items():  # Mixtral's names as Qwen's
+        for a, b in ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                     (".w2.", ".down_proj.")):
+            k = k.replace(a, b)
+        v = v.numpy()
+        if arch == "llama" and k.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's rotary pair order
+            n = cfg["num_attention_heads" if "q_proj" in k else "num_key_value_heads"]
+            v = v.reshape(n, 2, v.shape[0] // n // 2, *v.shape[1:]).swapaxes(1, 2).reshape(v.shape)
+        hf[k] = v
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -450,11 +459,13 @@ def write_moe_gguf(hf_dir, path, vocab, expert_type: str | None = None):
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if arch != "llama":  # Mixtral's experts are feed_forward_length wide
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     w.add_tokenizer_model("gpt2")
@@ -498,10 +509,11 @@ def write_moe_gguf(hf_dir, path, vocab, expert_type: str | None = None):
     return written
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_moe_gguf_gives_the_hf_models_tokens(tiny_model_dir, tmp_path, gguf_vocab, arch):
-    """A tiny Qwen3-MoE / Qwen2-MoE written as GGUF (float32 tensors) loads straight from the file and
-    gives the HF model's greedy tokens and last-token logits (1e-4)."""
+    """A tiny Qwen3-MoE / Qwen2-MoE / Mixtral (llama with experts, q/k rows permuted) written as GGUF
+    (float32 tensors) loads straight from the file and gives the HF model's greedy tokens and
+    last-token logits (1e-4)."""
     src = tiny_model_dir(arch, vocab_size=GGUF_VOCAB)
     path = tmp_path / f"{arch}.gguf"
     write_moe_gguf(src, path, gguf_vocab)
