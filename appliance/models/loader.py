@@ -271,6 +271,9 @@ def load_weights(model: torch.nn.Module, source, architecture: str = "") -> None
 
 
 def _split_all(weights, split):
+    """The source's (file, name, value) stream, each tensor through the model's
+    ``split_checkpoint_tensor(name, value)`` when it has one (a fused 3-D MoE expert tensor becomes
+    one tensor per expert); its errors get the file's name."""
     for f, name, value in weights:
         if split is None:
             yield f, name, value
