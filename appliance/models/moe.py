@@ -82,6 +82,9 @@ class MoeConfig(LlamaConfig):
         if not 1 <= top_k <= n_exp:
             raise ModelLoadError(f"{where}: num_experts_per_tok={top_k}; must be in [1, "
                                  f"{key}={n_exp}]")
+        expert_size = int(hf.get(spec.expert_size_key) or 0)
+        if expert_size < 1:
+            raise ModelLoadError(f"{where}: {spec.expert_size_key}={hf.get(spec.expert_size_key)!r}; must be >= 1")
         step = int(hf.get("decoder_sparse_step", 1) or 1)
         mlp_only = set(hf.get("mlp_only_layers") or [])
         sparse = tuple(i not in mlp_only and (i + 1) % step == 0 for i in range(base.num_hidden_layers))
@@ -90,7 +93,7 @@ class MoeConfig(LlamaConfig):
             raise ModelLoadError(f"{where}: shared_expert_intermediate_size={shared}; must be >= 1")
         return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(LlamaConfig)},
                    num_experts=n_exp, num_experts_per_tok=top_k,
-                   moe_intermediate_size=int(hf[spec.expert_size_key]),
+                   moe_intermediate_size=expert_size,
                    norm_topk_prob=spec.always_renormalize or bool(hf.get("norm_topk_prob", False)),
                    weights_in_logits_dtype=spec.weights_in_logits_dtype,
                    shared_expert_intermediate_size=shared, sparse_layers=sparse)

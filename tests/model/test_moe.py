@@ -304,6 +304,7 @@ def test_same_tokens_under_any_schedule(moe_reference, name):
     ("qwen2_moe", "hidden_act", "gelu"),
     ("qwen3_moe", "attention_bias", True),
     ("qwen3_moe", "num_experts_per_tok", 9),
+    ("qwen3_moe", "moe_intermediate_size", 0),
 ])
 def test_unsupported_moe_config_is_refused(tiny_model_dir, tmp_path, arch, field, value):
     dst = shutil.copytree(tiny_model_dir(arch), tmp_path / "m")
