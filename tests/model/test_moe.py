@@ -84,6 +84,30 @@ def test_greedy_and_logits_match_transformers(tiny_model_dir, arch, overrides, b
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.num_blocks
 
 
+@pytest.mark.parametrize("linear", ["native", "onednn", "torch"])
+def test_every_float_linear_backend_on_the_experts(tiny_model_dir, linear):
+    """Experts are Linear layers: each float backend runs them (native with silu(gate) * up in its
+    GEMM's epilogue), with transformers' greedy tokens and logits within 1e-4."""
+    from helpers import skip_unless_backend
+
+    skip_unless_backend(linear)
+    path = tiny_model_dir("qwen2_moe")
+    llm = LLM(str(path), dtype="float32", linear_backend=linear, num_kv_blocks=128)
+    blocks = _sparse_layers(llm.engine.runner.model)
+    experts = [m for b in blocks for m in list(b.experts) + [b.shared_expert]]
+    assert {m.gate_up_proj.backend for m in experts} == {m.down_proj.backend for m in experts} == {linear}
+    assert all(m.gate_up_proj.fused_silu_mul == (linear == "native") for m in experts)
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(p) for p in PROMPTS]
+    hf = _hf(path)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)] == \
+        hf_greedy(hf, ids, MAX_NEW)
+    for p in ids:
+        with torch.no_grad():
+            want = hf(torch.tensor([p])).logits[0, -1].float()
+        torch.testing.assert_close(engine_logits(llm, p), want, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_experts_chosen_per_token_equal_transformers(tiny_model_dir, arch):
     """The router's top-k expert ids of every token in every sparse layer, hooked on both sides, are
