@@ -280,6 +280,18 @@ def test_bfloat16_within_bf16_error_of_transformers_bf16(tiny_model_dir, arch):
         assert got.argmax() == want.argmax()
 
 
+def test_fused_3d_expert_tensor_of_the_wrong_size_is_refused(tiny_model_dir, tmp_path):
+    fused = _to_fused_3d(tiny_model_dir("qwen3_moe"), tmp_path / "fused")
+    tensors = load_file(str(fused / "model.safetensors"))
+    name = "model.layers.1.mlp.experts.down_proj"
+    tensors[name] = tensors[name][:6]
+    save_file(tensors, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError) as e:
+        LLM(str(fused), dtype="float32", num_kv_blocks=16)
+    msg = str(e.value)
+    assert "model.safetensors" in msg and name in msg and "6 experts" in msg and "expected 8" in msg, msg
+
+
 # ---------------------------------------------------------------- every schedule
 
 SHARED = "Paris is the capital of France. The quick brown fox jumps over the lazy dog. " * 2
