@@ -2,7 +2,11 @@
 
 Each expert is a gated MLP whose projections are the project's ``Linear`` (or ``QuantLinear`` after
 quantization), so every linear method (float torch / oneDNN / native with its fused silu epilogue,
-W8A8, W4A8) and every per-parameter loader applies to experts as to any other layer.
+W8A8, W4A8) and every per-parameter loader applies to experts as to any other layer. Against stacked
+``[E, ...]`` weights applied with ``F.linear`` per expert (one layer of 16 experts 2048 x 768, top-8,
+one token, on the shared 2-core development host): 64 ms stacked, 64 ms as per-expert ``Linear`` on
+the torch method, 37 ms on the native method (its prefetching GEMM with silu(gate) * up in the
+epilogue), which a stacked layout would not reach without a per-expert variant of every method.
 
 Per step the ``[T, top_k]`` expert ids are sorted once; the token rows are gathered in that order so
 each expert's rows are one contiguous slice, and each chosen expert runs its gate/up and down
