@@ -36,12 +36,24 @@ def make_tiny_model(path: Path, arch: str = "llama", tie: bool = False, num_kv_h
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=512,
                   tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    # mixture of experts: 8 experts, top-2, tiny expert widths (Qwen2-MoE: a shared expert too;
+    # Qwen3-MoE: norm_topk_prob on, Qwen2-MoE: off, as their defaults)
+    common.update({
+        "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, sliding_window=None),
+        "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=48),
+        "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                          norm_topk_prob=True),
+    }.get(arch, {}))
     common.update(overrides)
     cls = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
     }[arch]
     if arch == "qwen3":
         common.setdefault("head_dim", 16)

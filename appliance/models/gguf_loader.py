@@ -10,6 +10,10 @@ HF stores them as two halves); we undo that exactly as transformers' own GGUF lo
 (``LlamaTensorProcessor._reverse_permute_weights``). qwen2/qwen3 are stored unpermuted (llama.cpp
 runs them in NEOX rope mode).
 
+Mixture of experts (qwen2moe, qwen3moe, and llama with an expert_count: Mixtral): each 3-D
+``ffn_{gate,up,down}_exps`` tensor is read one expert at a time (``_ExpertSlice``, a slice of the
+memmap) under the per-expert HF name, so an expert's quantized blocks are kept like any projection's.
+
 Which tensors stay quantized (``kept_types``): with ``--quantization w4a8`` at group size 32 the W4
 group-32 block types (Q4_0, Q4_1, Q4_K), with ``w8a8`` the W8 ones (Q5_0/1, Q5_K, Q8_0, Q6_K, ...)
 when ``w8a8_native`` (the only method for W8 groups) runs here; each decoded from its raw blocks into
@@ -41,7 +45,10 @@ from appliance.models import gguf_quants
 
 log = logging.getLogger("appliance")
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+# mixture-of-experts architectures (their ffn_*_exps tensors load one expert at a time, see _tensor_plan);
+# llama with an expert_count is Mixtral
+MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "llama")
 GGUF_MAGIC = b"GGUF"
 SOURCE_RECORD = "gguf_source.json"  # in a converted directory: the GGUF it came from
 # GGUF types whose blocks are W4 groups of GGUF_BLOCK weights as they are (see the module docstring)
@@ -53,6 +60,9 @@ _HF_ARCH = {
     "mistral": ("mistral", "MistralForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "mixtral": ("mixtral", "MixtralForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -75,6 +85,18 @@ _LAYER_TENSORS = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # mixture of experts: the router, Qwen2-MoE's shared expert and its sigmoid gate
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+}
+# 3-D expert tensors (GGUF ne [k, n, experts]): expert e's slice is "model.layers.N.mlp.experts.e.<proj>"
+_EXPERT_TENSORS = {
+    "ffn_gate_exps.weight": "gate_proj.weight",
+    "ffn_up_exps.weight": "up_proj.weight",
+    "ffn_down_exps.weight": "down_proj.weight",
 }
 
 
@@ -168,7 +190,7 @@ def _read_metadata(reader, path: Path) -> dict:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if meta.get(f"{arch}.expert_count", 0):
+    if _is_moe(meta) and arch not in MOE_ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: mixture-of-experts GGUF ({arch}.expert_count={meta[f'{arch}.expert_count']}) is not supported")
     return meta
@@ -214,6 +236,8 @@ def _build_configs(reader, meta: dict, path: Path) -> tuple[dict, dict]:
             raise ModelLoadError(f"{path}: {arch}.attention.sliding_window must be >= 1, got {window}")
         if hf_arch == "llama":
             hf_arch = "mistral"
+    if arch == "llama" and _is_moe(meta):
+        hf_arch = "mixtral"
     model_type, architecture = _HF_ARCH[hf_arch]
     config = {
         "architectures": [architecture],
@@ -233,11 +257,13 @@ def _build_configs(reader, meta: dict, path: Path) -> tuple[dict, dict]:
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "torch_dtype": "float32",
     }
+    if _is_moe(meta):
+        config.update(_moe_config(meta, arch, tensors, config, path))
     if window is not None:
         config["sliding_window"] = window  # on every layer
         if hf_arch in ("qwen2", "qwen3"):  # their configs switch it on, from layer max_window_layers
             config.update(use_sliding_window=True, max_window_layers=0)
-    elif hf_arch == "mistral":
+    elif hf_arch in ("mistral", "mixtral"):
         config["sliding_window"] = None  # the file records none; llama.cpp runs full attention
     rope_scaling = _rope_scaling(meta, arch)
     if "rope_freqs.weight" in tensors:
@@ -262,6 +288,57 @@ def _build_configs(reader, meta: dict, path: Path) -> tuple[dict, dict]:
     if len(stop_ids) > 1:
         generation_config["eos_token_id"] = stop_ids
     return config, generation_config
+
+
+def _is_moe(meta: dict) -> bool:
+    return bool(meta.get(f"{meta['general.architecture']}.expert_count", 0))
+
+
+def _moe_config(meta: dict, arch: str, tensors: dict, config: dict, path: Path) -> dict:
+    """The HF config fields of a qwen2moe / qwen3moe / llama-MoE (Mixtral) file. As llama.cpp runs
+    them: softmax gating, top-k weights renormalized for qwen3moe and llama (Mixtral) and not for
+    qwen2moe (its build_moe_ffn's norm_w), no weight scale; a Qwen layer without a router
+    (ffn_gate_inp) is a dense MLP (``mlp_only_layers``), a Mixtral one is refused."""
+    def need(key: str):
+        if f"{arch}.{key}" not in meta:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return int(meta[f"{arch}.{key}"])
+
+    scale = meta.get(f"{arch}.expert_weights_scale")
+    if scale not in (None, 0, 0.0, 1, 1.0):
+        raise ModelLoadError(f"{path}: {arch}.expert_weights_scale={scale} is not supported (supported: 1)")
+    gating = meta.get(f"{arch}.expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ModelLoadError(f"{path}: {arch}.expert_gating_func={gating} is not supported (supported: 1, softmax)")
+    n_layers = config["num_hidden_layers"]
+    dense = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    if arch == "llama":  # Mixtral: every layer sparse, experts as wide as feed_forward_length
+        if dense:
+            raise ModelLoadError(f"{path}: llama mixture-of-experts layer {dense[0]} has no ffn_gate_inp (router); "
+                                 "every Mixtral layer is sparse")
+        return {"num_local_experts": need("expert_count"), "num_experts_per_tok": need("expert_used_count"),
+                "sliding_window": None}
+    out = {
+        "num_experts": need("expert_count"),
+        "num_experts_per_tok": need("expert_used_count"),
+        "moe_intermediate_size": need("expert_feed_forward_length"),
+        "norm_topk_prob": arch == "qwen3moe",
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+    }
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = need("expert_shared_feed_forward_length")
+        out["qkv_bias"] = config["attention_bias"]
+        out["attention_bias"] = False
+    return out
+
+
+class _ExpertSlice:
+    """One expert's [n, k] slice of a 3-D GGUF expert tensor, read like a GGUF tensor (``name``,
+    ``tensor_type``, ``data``: the slice of the memmap, its quantized blocks as they are)."""
+
+    def __init__(self, t, e: int):
+        self.name, self.tensor_type, self.data = f"{t.name}[{e}]", t.tensor_type, t.data[e]
 
 
 def _rope_scaling(meta: dict, arch: str) -> dict | None:
@@ -329,6 +406,15 @@ def _tensor_plan(reader, meta: dict, config: dict, path: Path):
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # folded into config["rope_scaling"]
+        parts = t.name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in _EXPERT_TENSORS and _is_moe(meta):
+            shape = tuple(int(d) for d in reversed(t.shape))  # [experts, n, k]
+            if len(shape) != 3:
+                raise ModelLoadError(f"{path}: tensor {t.name!r} has shape {shape}, expected 3-D [experts, n, k]")
+            for e in range(shape[0]):
+                yield (_ExpertSlice(t, e), f"model.layers.{int(parts[1])}.mlp.experts.{e}.{_EXPERT_TENSORS[parts[2]]}",
+                       shape[1:], None)
+            continue
         if t.name in _GLOBAL_TENSORS:
             hf_name = _GLOBAL_TENSORS[t.name]
         else:
@@ -337,6 +423,8 @@ def _tensor_plan(reader, meta: dict, config: dict, path: Path):
                 raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for architecture {arch!r}")
             hf_name = f"model.layers.{int(parts[1])}.{_LAYER_TENSORS[parts[2]]}"
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (the fastest dim) first
+        if hf_name.endswith(".shared_expert_gate.weight") and len(shape) == 1:
+            shape = (1, shape[0])  # llama.cpp stores the [1, hidden] gate as a vector
         n_heads = None
         if arch == "llama" and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
             n_heads = config["num_attention_heads" if ".attn_q." in t.name else "num_key_value_heads"]

@@ -246,7 +246,8 @@ def load_weights(model: torch.nn.Module, source, architecture: str = "") -> None
         except AttributeError:
             return False
 
-    for f, name, value in source.weights(wants_quantized):
+    split = getattr(model, "split_checkpoint_tensor", None)  # one checkpoint tensor -> several (MoE 3-D experts)
+    for f, name, value in _split_all(source.weights(wants_quantized), split):
         if "rotary_emb.inv_freq" in name:
             continue
         if name == "lm_head.weight" and "lm_head.weight" not in params:
@@ -267,6 +268,21 @@ def load_weights(model: torch.nn.Module, source, architecture: str = "") -> None
             raise ModelLoadError(f"{f}: tensor {name!r} {e} (from the model's config)") from e
         loaded.setdefault(pname, set()).add(shard)
     check_complete(model, params, loaded, source.path)
+
+
+def _split_all(weights, split):
+    """The source's (file, name, value) stream, each tensor through the model's
+    ``split_checkpoint_tensor(name, value)`` when it has one (a fused 3-D MoE expert tensor becomes
+    one tensor per expert); its errors get the file's name."""
+    for f, name, value in weights:
+        if split is None:
+            yield f, name, value
+            continue
+        try:
+            for n, v in split(name, value):
+                yield f, n, v
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{f}: {e}") from e
 
 
 def process_weights_after_loading(model: torch.nn.Module, quantization: str, group_size: int,

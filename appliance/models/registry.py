@@ -6,9 +6,9 @@ from pathlib import Path
 from torch import nn
 
 from appliance.errors import ModelLoadError
-from appliance.models import llama
+from appliance.models import llama, moe
 
-_REGISTRY = {name: llama for name in llama.ARCHS}
+_REGISTRY = {name: llama for name in llama.ARCHS} | {name: moe for name in moe.ARCHS}
 
 
 def supported_architectures() -> list[str]:
@@ -27,5 +27,7 @@ def resolve_architecture(hf_config: dict, source: Path) -> str:
 
 def build_model(architecture: str, hf_config: dict) -> nn.Module:
     mod = _REGISTRY[architecture]
+    if hasattr(mod, "build"):  # a family module with its own config reading
+        return mod.build(architecture, hf_config)
     cfg = mod.LlamaConfig.from_hf(hf_config, mod.ARCHS[architecture])
     return mod.LlamaForCausalLM(cfg)

@@ -247,9 +247,11 @@ def test_unsupported_architecture(tmp_path):
     _assert_load_error(path, tmp_path / "out", "unsupported GGUF architecture 'gpt2'; supported: llama, qwen2, qwen3")
 
 
-def test_moe_llama_is_refused(tmp_path):
-    path = tmp_path / "mixtral.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
+def test_moe_of_a_dense_architecture_is_refused(tmp_path):
+    # llama (Mixtral), qwen2moe and qwen3moe files load their experts (tests/model/test_moe.py); a
+    # qwen2 file with experts names no MoE layout the engine knows
+    path = tmp_path / "qwen2-moe.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen2")
     w.add_expert_count(8)
     w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     _finish(w)
