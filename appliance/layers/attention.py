@@ -14,7 +14,7 @@ from appliance.layers.forward_context import get_forward_context
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 # transformers' Mistral and Mixtral apply ``sliding_window`` to every layer and ignore ``layer_types``
-_WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral")
+_WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")
 
 
 def layer_sliding_windows(hf_config: dict, num_layers: int) -> list[int | None]:
@@ -25,8 +25,10 @@ def layer_sliding_windows(hf_config: dict, num_layers: int) -> list[int | None]:
     - ``layer_types`` ("sliding_attention" / "full_attention" per layer), when present, picks the
       windowed layers (Gemma 2/3, and configs saved by transformers 5);
     - else, with ``use_sliding_window: true`` and ``max_window_layers``, layers ``i >= max_window_layers``
-      are windowed (Qwen2Config's own rule);
-    - else ``sliding_window``, when set, applies to every layer (Mistral, Mixtral).
+      are windowed (Qwen2Config's and Qwen3Config's rule), or for Qwen2-MoE the even layers
+      ``i < max_window_layers`` (Qwen2MoeConfig's rule);
+    - else ``sliding_window``, when set, applies to every layer (Mistral, Mixtral; Qwen3-MoE, whose
+      attention takes the config's window on every layer and has no ``layer_types``).
 
     Raises ModelLoadError for a ``layer_types`` of the wrong length or with another kind of layer,
     and for a window that is not a positive integer."""
@@ -47,9 +49,12 @@ def layer_sliding_windows(hf_config: dict, num_layers: int) -> list[int | None]:
             raise ModelLoadError(f"config.json: layer_types {bad!r} not supported; supported: "
                                  f"{', '.join(_LAYER_TYPES)}")
         return [window if t == "sliding_attention" else None for t in types]
-    if hf_config.get("use_sliding_window") and "max_window_layers" in hf_config:
-        first = int(hf_config["max_window_layers"])
-        return [window if i >= first else None for i in range(num_layers)]
+    if (hf_config.get("use_sliding_window") and "max_window_layers" in hf_config
+            and hf_config.get("model_type") not in _WINDOW_ON_EVERY_LAYER):
+        m = int(hf_config["max_window_layers"])
+        if hf_config.get("model_type") == "qwen2_moe":
+            return [window if i % 2 == 0 and i < m else None for i in range(num_layers)]
+        return [window if i >= m else None for i in range(num_layers)]
     return [window] * num_layers
 
 

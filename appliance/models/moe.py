@@ -65,10 +65,6 @@ class MoeConfig(LlamaConfig):
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ModelLoadError(f"{where}: hidden_act={act!r} is not supported (supported: 'silu')")
-        if hf.get("use_sliding_window") or (architecture == "MixtralForCausalLM" and hf.get("sliding_window")):
-            key = "use_sliding_window" if hf.get("use_sliding_window") else "sliding_window"
-            raise ModelLoadError(f"{where}: {key}={hf[key]!r}: sliding-window attention is not supported for "
-                                 "mixture-of-experts models (full attention only)")
         if spec.qk_norm and hf.get("attention_bias"):  # Qwen3-MoE's o_proj would take a bias too
             raise ModelLoadError(f"{where}: attention_bias=True is not supported (supported: false)")
         base = LlamaConfig.from_hf(hf, llama.ArchSpec(qk_norm=spec.qk_norm))

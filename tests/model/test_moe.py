@@ -335,8 +335,6 @@ def test_same_tokens_under_any_schedule(moe_reference, name):
 # ---------------------------------------------------------------- bad configs
 
 @pytest.mark.parametrize("arch,field,value", [
-    ("mixtral", "sliding_window", 8),
-    ("qwen3_moe", "use_sliding_window", True),
     ("qwen2_moe", "hidden_act", "gelu"),
     ("qwen3_moe", "attention_bias", True),
     ("qwen3_moe", "num_experts_per_tok", 9),

@@ -40,6 +40,16 @@ def qwen2_mixed(tiny_model_dir):
                           num_hidden_layers=4)
 
 
+@pytest.fixture(scope="module")
+def mixtral_windowed(tiny_model_dir):
+    return tiny_model_dir("mixtral", sliding_window=WINDOW)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_mixed(tiny_model_dir):
+    return tiny_model_dir("qwen3_moe", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+
+
 _HF = {}
 
 
@@ -85,6 +95,10 @@ def test_layer_windows_follow_transformers_configs():
         (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), [None, 8, 8]),
         (transformers.Qwen2Config, dict(use_sliding_window=False, sliding_window=8, max_window_layers=1), [None] * 3),
         (transformers.Qwen3Config, dict(use_sliding_window=True, sliding_window=6, max_window_layers=2), [None, None, 6]),
+        (transformers.Qwen2MoeConfig, dict(use_sliding_window=True, sliding_window=6, max_window_layers=3), [6, None, 6]),
+        (transformers.Qwen3MoeConfig, dict(use_sliding_window=True, sliding_window=6, max_window_layers=1), [6, 6, 6]),
+        (transformers.Qwen3MoeConfig, dict(use_sliding_window=False, sliding_window=6), [None] * 3),
+        (transformers.MixtralConfig, dict(sliding_window=5), [5, 5, 5]),
     ]
     for cls, kw, want in cases:
         cfg = cls(num_hidden_layers=3, **kw)
@@ -143,6 +157,25 @@ def test_greedy_and_logits_match_transformers(request, model, backend, fused, mo
         torch.testing.assert_close(engine_logits(llm, p), want, atol=1e-4, rtol=0)
     llm.engine.check_integrity()
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("model", ["mixtral_windowed", "qwen3_moe_mixed"])
+@pytest.mark.parametrize("backend", ["reference", "native"])
+def test_moe_models_with_windows_match_transformers(request, model, backend):
+    """The MoE families share llama.py's attention, so their windows go through the same kernels."""
+    path = request.getfixturevalue(model)
+    llm = LLM(str(path), dtype="float32", attention_backend=backend, block_size=4, num_kv_blocks=256)
+    layers = llm.engine.runner.model.model.layers
+    want_windows = [WINDOW, WINDOW]  # Qwen3-MoE windows every layer, whatever max_window_layers says
+    assert [layer.self_attn.attn.sliding_window for layer in layers] == want_windows
+    ids = prompt_ids()
+    outs = llm.generate(prompt_token_ids=ids,
+                        sampling_params=SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    toks, logits = hf_reference(path)
+    assert [o.outputs[0].token_ids for o in outs] == toks
+    for p, want in zip(ids, logits):
+        torch.testing.assert_close(engine_logits(llm, p), want, atol=1e-4, rtol=0)
+    llm.engine.check_integrity()
 
 
 SCHEDULES = {
