@@ -42,10 +42,11 @@ def make_tiny_model(path: Path, arch: str = "llama", tie: bool = False, num_kv_h
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),  # checkpoint holds qkv_proj and gate_up_proj fused
     }[arch]
     if arch == "qwen3":
         common.setdefault("head_dim", 16)
-    if arch == "mistral":
+    if arch in ("mistral", "phi3"):
         common.setdefault("sliding_window", None)
     torch.manual_seed(seed)
     cfg = cls[0](**common)
