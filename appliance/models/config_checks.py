@@ -40,5 +40,5 @@ def check_config(hf: dict, *, rope: dict, rotary_dim: int, activations: tuple[st
             raise ModelLoadError(f"{where}: {key} is set (a multimodal model); this engine serves "
                                  f"{', '.join(hf.get('architectures') or ['this architecture'])} as text only")
     for key, value in hf.items():
-        if _SINK_KEY.search(key) and value not in (None, False):
+        if _SINK_KEY.search(key) and value is not None and value is not False:  # 0.0 is an initial sink logit
             raise ModelLoadError(f"{where}: {key}={value!r}: attention sinks are not supported")
