@@ -1,7 +1,7 @@
 """Phi-3 (fused qkv_proj / gate_up_proj checkpoints, longrope, Phi-4-mini's partial rotary) and Qwen2
 with yarn, against transformers in float32: greedy tokens of ``generate`` on mixed-length prompts and
 last-token logits within 1e-4, on the reference and the native ops, under chunked prefill and prefix
-caching too.
+caching too; Phi-3's sliding window.
 
 Longrope: the engine picks the short or long factors once from max_model_len (see
 appliance/layers/rotary.py); transformers picks them per forward from the sequence length. They agree
@@ -35,6 +35,8 @@ MODELS = {
     # Phi-4-mini: rotary over 12 of 16 dims, tied embeddings
     "phi3-partial": ("phi3", dict(rope_scaling=longrope(12), original_max_position_embeddings=ORIGINAL,
                                   partial_rotary_factor=0.75, tie=True)),
+    # Phi-3-mini-4k: every layer windowed (its config has sliding_window 2047), here 8 tokens
+    "phi3-window": ("phi3", dict(sliding_window=8)),
     # Qwen2.5 long context: factor 4 over an original 64-token context
     "qwen2-yarn": ("qwen2", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                "original_max_position_embeddings": ORIGINAL})),
@@ -114,7 +116,27 @@ def test_fused_native_stack_takes_partial_rotary(tiny_model_dir, monkeypatch):
     assert len(calls) >= MAX_NEW
 
 
-@pytest.mark.parametrize("name", ["phi3-partial", "qwen2-yarn"])
+@pytest.mark.parametrize("backend,fused", [("reference", False), ("native", True), ("native", False)])
+def test_sliding_window_matches_transformers(tiny_model_dir, backend, fused, monkeypatch):
+    """Phi-3's sliding_window reaches every layer's attention (through layer_sliding_windows): prompts
+    of up to ~19 windows give transformers' tokens and logits, the one-call native stack on and off."""
+    from appliance.ops import native
+
+    if backend == "native":
+        assert native.is_available(), native.unavailable_reason()
+        monkeypatch.setattr(native, "FUSED_LAYERS", fused)
+    calls = []
+    real = native.llama_layers
+    monkeypatch.setattr(native, "llama_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    path = model_dir(tiny_model_dir, "phi3-window")
+    llm = LLM(str(path), dtype="float32", attention_backend=backend, block_size=4, num_kv_blocks=256,
+              linear_backend="native" if backend == "native" else "auto")
+    assert [layer.self_attn.attn.sliding_window for layer in llm.engine.runner.model.model.layers] == [8, 8]
+    check_against_transformers(llm, path, prompt_ids(llm.get_tokenizer(), "long"))
+    assert bool(calls) == fused
+
+
+@pytest.mark.parametrize("name", ["phi3-partial", "phi3-window", "qwen2-yarn"])
 @pytest.mark.parametrize("cfg", [dict(max_num_batched_tokens=8), dict(enable_prefix_caching=True, block_size=4)],
                          ids=["chunked_prefill", "prefix_caching"])
 def test_chunked_prefill_and_prefix_caching_give_transformers_tokens(tiny_model_dir, name, cfg):
