@@ -54,10 +54,11 @@ def make_tiny_model(path: Path, arch: str = "llama", tie: bool = False, num_kv_h
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
         "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),  # checkpoint holds qkv_proj and gate_up_proj fused
     }[arch]
     if arch == "qwen3":
         common.setdefault("head_dim", 16)
-    if arch == "mistral":
+    if arch in ("mistral", "phi3"):
         common.setdefault("sliding_window", None)
     torch.manual_seed(seed)
     cfg = cls[0](**common)

@@ -205,7 +205,8 @@ def build_model_for(info: ModelInfo, source, device: torch.device) -> torch.nn.M
             if not isinstance(mod, Linear) or name == "lm_head" or not qlayers:
                 continue
             parent, leaf = name.rsplit(".", 1)
-            parts = [f"{parent}.{s}.weight" for s in mod.shards] or [f"{name}.weight"]
+            whole = f"{name}.weight"  # a fused layer the checkpoint stores fused (Phi-3) or by shard
+            parts = [whole] if whole in qlayers else [f"{parent}.{s}.weight" for s in mod.shards] or [whole]
             kinds = {qlayers.get(p) for p in parts}
             if len(kinds) != 1 or None in kinds:
                 continue
@@ -322,8 +323,10 @@ def check_complete(model, params, loaded: dict[str, set], path: Path, optional=l
             if loaded.get(pname_q):
                 continue
         shards = getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "shards", None)
-        want = set(shards) if shards else {None}
-        if not want <= loaded.get(pname, set()) and not optional(pname):
+        got = loaded.get(pname, set())
+        # a fused weight is filled by all its shards, or whole (Phi-3 stores qkv_proj, gate_up_proj)
+        want = set(shards) if shards and None not in got else {None}
+        if not want <= got and not optional(pname):
             missing.append(pname)
     if missing:
         raise ModelLoadError(f"{path}: checkpoint lacks tensors for {', '.join(missing[:5])}"
