@@ -42,9 +42,16 @@ def make_tiny_model(path: Path, arch: str = "llama", tie: bool = False, num_kv_h
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
     }[arch]
     if arch == "qwen3":
         common.setdefault("head_dim", 16)
+    if arch.startswith("gemma"):
+        # head_dim != hidden / heads, a softmax scale that is not head_dim's, one local and one global layer
+        common.setdefault("head_dim", 16)
+        common.setdefault("query_pre_attn_scalar", 24)
+        common.setdefault("layer_types", ["sliding_attention", "full_attention"])
     if arch == "mistral":
         common.setdefault("sliding_window", None)
     torch.manual_seed(seed)

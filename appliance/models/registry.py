@@ -6,9 +6,14 @@ from pathlib import Path
 from torch import nn
 
 from appliance.errors import ModelLoadError
-from appliance.models import llama
+from appliance.models import gemma, llama
 
-_REGISTRY = {name: llama for name in llama.ARCHS}
+# family module -> (its config class, its model class); each module's ARCHS names its architectures
+_FAMILIES = {
+    llama: (llama.LlamaConfig, llama.LlamaForCausalLM),
+    gemma: (gemma.GemmaConfig, gemma.GemmaForCausalLM),
+}
+_REGISTRY = {name: mod for mod in _FAMILIES for name in mod.ARCHS}
 
 
 def supported_architectures() -> list[str]:
@@ -27,5 +32,5 @@ def resolve_architecture(hf_config: dict, source: Path) -> str:
 
 def build_model(architecture: str, hf_config: dict) -> nn.Module:
     mod = _REGISTRY[architecture]
-    cfg = mod.LlamaConfig.from_hf(hf_config, mod.ARCHS[architecture])
-    return mod.LlamaForCausalLM(cfg)
+    config_cls, model_cls = _FAMILIES[mod]
+    return model_cls(config_cls.from_hf(hf_config, mod.ARCHS[architecture]))
