@@ -44,6 +44,11 @@ def make_tiny_model(path: Path, arch: str = "llama", tie: bool = False, num_kv_h
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+        # Gemma 3 with its (tiny SigLIP) vision tower: the engine serves the text model
+        "gemma3_mm": (lambda **kw: tf.Gemma3Config(
+            text_config=kw, tie_word_embeddings=kw["tie_word_embeddings"], mm_tokens_per_image=4,
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=28, patch_size=14)), tf.Gemma3ForConditionalGeneration),
     }[arch]
     if arch == "qwen3":
         common.setdefault("head_dim", 16)

@@ -32,6 +32,8 @@ from appliance.layers.rotary import build_inv_freq
 log = logging.getLogger("appliance")
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+# Gemma's chat template closes every turn with <end_of_turn>; the model emits it, not <eos>, after a reply
+TURN_END_TOKENS = ("<end_of_turn>",)
 # hidden_activation -> torch's F.gelu ``approximate``
 _ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 

@@ -20,6 +20,13 @@ def supported_architectures() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def turn_end_tokens(architecture: str) -> tuple[str, ...]:
+    """Tokens (by text) that end a chat turn in this family and stop generation like EOS, whether or not
+    the checkpoint's generation_config lists them (Gemma's ``<end_of_turn>``): the family module's
+    ``TURN_END_TOKENS``."""
+    return tuple(getattr(_REGISTRY.get(architecture), "TURN_END_TOKENS", ()))
+
+
 def resolve_architecture(hf_config: dict, source: Path) -> str:
     archs = hf_config.get("architectures") or []
     for a in archs:
