@@ -46,13 +46,16 @@ class ArchSpec:
     attn_softcap: bool  # Gemma 2 applies attn_logit_softcapping; transformers' Gemma 3 attention never does
     text_config: bool = False  # Gemma3ForConditionalGeneration: the text model lives under text_config
     final_softcap: bool = True  # Gemma3ForConditionalGeneration's head applies no final soft-cap
+    defaults: tuple = ()  # (field, value) transformers' config class assumes when config.json leaves it out
 
 
+_GEMMA2_DEFAULTS = (("sliding_window", 4096), ("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0))
+_GEMMA3_DEFAULTS = (("sliding_window", 4096),)
 ARCHS = {
-    "Gemma2ForCausalLM": ArchSpec(qk_norm=False, attn_softcap=True),
-    "Gemma3ForCausalLM": ArchSpec(qk_norm=True, attn_softcap=False),
+    "Gemma2ForCausalLM": ArchSpec(qk_norm=False, attn_softcap=True, defaults=_GEMMA2_DEFAULTS),
+    "Gemma3ForCausalLM": ArchSpec(qk_norm=True, attn_softcap=False, defaults=_GEMMA3_DEFAULTS),
     "Gemma3ForConditionalGeneration": ArchSpec(qk_norm=True, attn_softcap=False, text_config=True,
-                                               final_softcap=False),
+                                               final_softcap=False, defaults=_GEMMA3_DEFAULTS),
 }
 
 
@@ -89,6 +92,7 @@ class GemmaConfig:
             if hf.get("vision_config") is not None:
                 log.info("%s: Gemma 3 vision tower and projector are not loaded; serving the text model", where)
             hf, where = hf["text_config"], "config.json: text_config"
+        hf = {**dict(arch.defaults), **hf}
         heads = hf["num_attention_heads"]
         n_layers = hf["num_hidden_layers"]
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
@@ -152,8 +156,8 @@ class GemmaConfig:
         for t in sorted(types):
             if SLIDING in params or FULL in params:
                 p = dict(params.get(t) or {})
-            elif arch.qk_norm:  # Gemma 3, older config
-                p = dict(hf.get("rope_scaling") or {}) if t == FULL else {}
+            elif arch.qk_norm:  # Gemma 3, older config: one rope dict, the global layers'
+                p = dict(params or hf.get("rope_scaling") or {}) if t == FULL else {}
                 p.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0) if t == FULL
                              else hf.get("rope_local_base_freq", 10_000.0))
             else:
