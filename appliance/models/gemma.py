@@ -167,7 +167,9 @@ class GemmaConfig:
             if not isinstance(theta, (int, float)) or theta <= 0:
                 raise ModelLoadError(f"{where}: rope_parameters.{t}.rope_theta must be a positive number, got {theta!r}")
             kind = p.get("rope_type", p.get("type", "default"))
-            out.append((t, float(theta), p if kind not in (None, "default") else None))
+            scaling = p if kind not in (None, "default") else None
+            build_inv_freq(2, float(theta), scaling)  # an unsupported rope type is refused here, at config time
+            out.append((t, float(theta), scaling))
         return tuple(out)
 
 
