@@ -103,7 +103,8 @@ class LLMEngine:
             raise ModelLoadError(f"{config.tokenizer or self.model_path}: cannot load tokenizer ({e})") from e
         self.dtype = resolve_dtype(config.dtype)
         self.runner = ModelRunner(config, self.info, self.dtype, self.max_model_len, self.device)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 self.runner.sliding_window)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.long_prefill_token_threshold)
         self.sampler = Sampler(self.device, config.seed, argmax=self.runner.ops.argmax)

@@ -213,6 +213,15 @@ def _build_configs(reader, meta: dict, path: Path) -> tuple[dict, dict]:
     name = str(meta.get("general.name", ""))
     # llama.cpp stores Mistral as "llama"; transformers' GGUF loader does the same name check.
     hf_arch = "mistral" if arch == "llama" and "mistral" in name.lower() else arch
+    # llama.cpp runs a window when the file records one; transformers' Llama would ignore it, so such
+    # a "llama" file is served as Mistral (same tensors, every layer windowed)
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if window is not None:
+        window = int(window)
+        if window < 1:
+            raise ModelLoadError(f"{path}: {arch}.attention.sliding_window must be >= 1, got {window}")
+        if hf_arch == "llama":
+            hf_arch = "mistral"
     model_type, architecture = _HF_ARCH[hf_arch]
     config = {
         "architectures": [architecture],
@@ -232,8 +241,12 @@ def _build_configs(reader, meta: dict, path: Path) -> tuple[dict, dict]:
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "torch_dtype": "float32",
     }
-    if hf_arch == "mistral":
-        config["sliding_window"] = None  # GGUF does not record one; llama.cpp runs full attention
+    if window is not None:
+        config["sliding_window"] = window  # on every layer
+        if hf_arch in ("qwen2", "qwen3"):  # their configs switch it on, from layer max_window_layers
+            config.update(use_sliding_window=True, max_window_layers=0)
+    elif hf_arch == "mistral":
+        config["sliding_window"] = None  # the file records none; llama.cpp runs full attention
     rope_scaling = _rope_scaling(meta, arch)
     if "rope_freqs.weight" in tensors:
         if rope_scaling is not None:

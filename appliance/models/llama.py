@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from appliance.layers.attention import Attention
+from appliance.layers.attention import Attention, layer_sliding_windows
 from appliance.layers.linear import Linear
 from appliance.layers.norm import RMSNorm
 from appliance.layers.rotary import build_inv_freq
@@ -23,10 +23,12 @@ class ArchSpec:
 
     qkv_bias: bool = False
     qk_norm: bool = False
+    # reads the config's sliding-window fields (transformers' Llama has none and ignores them)
+    sliding_window: bool = True
 
 
 ARCHS = {
-    "LlamaForCausalLM": ArchSpec(),
+    "LlamaForCausalLM": ArchSpec(sliding_window=False),
     "MistralForCausalLM": ArchSpec(),
     "Qwen2ForCausalLM": ArchSpec(qkv_bias=True),
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
@@ -50,6 +52,8 @@ class LlamaConfig:
     qkv_bias: bool
     qk_norm: bool
     mlp_bias: bool = False
+    # per layer: its attention's sliding window, None for full attention (layer_sliding_windows)
+    sliding_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_hf(cls, hf: dict, arch: ArchSpec) -> "LlamaConfig":
@@ -72,6 +76,8 @@ class LlamaConfig:
             qkv_bias=arch.qkv_bias or bool(hf.get("attention_bias", False)),
             qk_norm=arch.qk_norm,
             mlp_bias=bool(hf.get("mlp_bias", False)),
+            sliding_windows=tuple(layer_sliding_windows(hf, hf["num_hidden_layers"]) if arch.sliding_window
+                                  else [None] * hf["num_hidden_layers"]),
         )
 
 
@@ -101,7 +107,8 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, layer_idx)
+        window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, layer_idx, sliding_window=window)
 
     def forward(self, ops, rotary: Rotary, positions, x):
         t = x.shape[0]
@@ -224,8 +231,9 @@ class LlamaForCausalLM(nn.Module):
         flat, kinds = plan[1]
         cfg, md = self.config, ctx.attn
         scale = self.model.layers[0].self_attn.attn.scale
+        windows = [layer.self_attn.attn.sliding_window for layer in self.model.layers]
         return lambda x, positions: ops.llama_layers(
-            x, positions, flat, kinds, self.model.norm.weight, cfg.rms_norm_eps, cfg.num_attention_heads,
+            x, positions, flat, kinds, windows, self.model.norm.weight, cfg.rms_norm_eps, cfg.num_attention_heads,
             cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, scale, self.rotary.cos_sin_cache,
             md.slot_mapping, md.block_table, md.seq_lens, md.query_start_loc)
 
