@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from appliance.errors import ModelLoadError
-from appliance.layers.attention import Attention
+from appliance.layers.attention import Attention, layer_sliding_windows
 from appliance.layers.linear import Linear
 from appliance.layers.norm import OffsetRMSNorm
 from appliance.layers.rotary import build_inv_freq
@@ -77,7 +77,8 @@ class GemmaConfig:
     attn_logit_softcapping: float | None
     final_logit_softcapping: float | None
     layer_types: tuple[str, ...]
-    sliding_window: int | None
+    # per layer: its attention's sliding window, None for a global layer (read by the model runner too)
+    sliding_windows: tuple[int | None, ...]
     rope: tuple[tuple[str, float, dict | None], ...]  # (layer type, theta, scaling) per type
     qk_norm: bool
 
@@ -106,10 +107,8 @@ class GemmaConfig:
         if len(layer_types) != n_layers or not set(layer_types) <= {SLIDING, FULL}:
             raise ModelLoadError(f"{where}: layer_types must name {n_layers} layers, each {SLIDING!r} or {FULL!r}; "
                                  f"got {list(layer_types)!r}")
-        window = hf.get("sliding_window")
-        if SLIDING in layer_types and (not isinstance(window, int) or window < 1):
-            raise ModelLoadError(f"{where}: sliding_window must be a positive integer for the sliding_attention "
-                                 f"layers, got {window!r}")
+        # the one reader of window fields, given the layer types transformers' config class defaults to
+        windows = layer_sliding_windows({**hf, "layer_types": list(layer_types)}, n_layers)
         attn_cap = hf.get("attn_logit_softcapping") if arch.attn_softcap else None
         final_cap = hf.get("final_logit_softcapping") if arch.final_softcap else None
         for name, cap in (("attn_logit_softcapping", attn_cap), ("final_logit_softcapping", final_cap)):
@@ -133,7 +132,7 @@ class GemmaConfig:
             attn_logit_softcapping=None if attn_cap is None else float(attn_cap),
             final_logit_softcapping=None if final_cap is None else float(final_cap),
             layer_types=layer_types,
-            sliding_window=window if SLIDING in layer_types else None,
+            sliding_windows=tuple(windows),
             rope=cls._rope(hf, set(layer_types), arch, where),
             qk_norm=arch.qk_norm,
         )
@@ -190,15 +189,9 @@ class SelfAttention(nn.Module):
             self.q_norm = OffsetRMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = OffsetRMSNorm(d, cfg.rms_norm_eps)
         self.layer_type = cfg.layer_types[layer_idx]
-        window = cfg.sliding_window if self.layer_type == SLIDING else None
-        if window is not None and window >= cfg.max_position_embeddings:
-            window = None  # no sequence is longer than max_position_embeddings: such a window never masks
-        kw = {}  # only what this layer needs, so a full, uncapped layer is plain paged attention
-        if window is not None:
-            kw["sliding_window"] = window
-        if cfg.attn_logit_softcapping is not None:
-            kw["logits_soft_cap"] = cfg.attn_logit_softcapping
-        self.attn = Attention(self.num_heads, self.num_kv_heads, d, cfg.query_pre_attn_scalar ** -0.5, layer_idx, **kw)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, cfg.query_pre_attn_scalar ** -0.5, layer_idx,
+                              sliding_window=cfg.sliding_windows[layer_idx],
+                              logits_soft_cap=cfg.attn_logit_softcapping)
 
     def forward(self, ops, cos_sin: dict, positions, x):
         t = x.shape[0]

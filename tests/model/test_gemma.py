@@ -17,7 +17,7 @@ from appliance.engine.llm_engine import LLMEngine
 from appliance.errors import ModelLoadError
 from helpers import engine_logits
 
-WINDOW = 4096  # no window shorter than the prompts until the paged kernels take one
+WINDOW = 8  # most prompts (and every prompt with its 24 new tokens) run past the local layers' window
 SHARED = "Paris is the capital of France. The quick brown fox jumps over the lazy dog. "
 PROMPTS = [
     "The quick brown fox",
@@ -31,9 +31,12 @@ GLOBAL_LINEAR_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta"
                       "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}
 # name -> (tiny_models arch, tie, config overrides)
 CASES = {
-    "gemma2": ("gemma2", False, dict(sliding_window=WINDOW, attn_logit_softcapping=None)),
-    "gemma2_tied_softcap": ("gemma2", True, dict(sliding_window=WINDOW, attn_logit_softcapping=None,
+    # attention-logit soft-cap small enough to bite on these weights' scores (Gemma 2's own is 50)
+    "gemma2": ("gemma2", False, dict(sliding_window=WINDOW, attn_logit_softcapping=1.5)),
+    "gemma2_tied_softcap": ("gemma2", True, dict(sliding_window=WINDOW, attn_logit_softcapping=1.5,
                                                  final_logit_softcapping=2.0)),
+    # transformers' Gemma 2 defaults: soft-caps 50 and 30
+    "gemma2_default_caps": ("gemma2", False, dict(sliding_window=WINDOW)),
     "gemma3": ("gemma3", False, dict(sliding_window=WINDOW)),
     # tied, final soft-cap, linear rope scaling on the global layers only, 3 layers: local, global, local
     "gemma3_tied_scaled": ("gemma3", True, dict(sliding_window=WINDOW, final_logit_softcapping=3.0,
@@ -42,6 +45,9 @@ CASES = {
                                                              "sliding_attention"])),
     # Gemma3ForConditionalGeneration: the text model, its vision tower in the checkpoint but not loaded
     "gemma3_mm": ("gemma3_mm", True, dict(sliding_window=WINDOW)),
+    # every layer local: blocks before the window are read by no layer, and the engine frees them
+    "gemma3_all_local": ("gemma3", False, dict(sliding_window=WINDOW,
+                                               layer_types=["sliding_attention", "sliding_attention"])),
 }
 
 
@@ -135,13 +141,15 @@ SCHEDULES = {
 }
 
 
-@pytest.mark.parametrize("case", ["gemma2", "gemma3_tied_scaled"])
+@pytest.mark.parametrize("case", ["gemma2", "gemma3_tied_scaled", "gemma3_all_local"])
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_same_tokens_under_any_schedule(tiny_model_dir, case, schedule):
     path = _model(tiny_model_dir, case)
     cfg = dict(dtype="float32", num_kv_blocks=512, enable_prefix_caching=False)
     cfg.update(SCHEDULES[schedule])
     engine = LLMEngine(EngineConfig(model=str(path), **cfg))
+    # windows reach the runner: only a model whose every layer is local lets the engine free blocks
+    assert engine.runner.sliding_window == (WINDOW if case == "gemma3_all_local" else None)
     tok = engine.tokenizer
     ids = [tok.encode(p) for p in PROMPTS] + [tok.encode(SHARED * 2 + "Hello")]
     ids.append([random.Random(0).randrange(3, 384) for _ in range(70)])
@@ -149,8 +157,11 @@ def test_same_tokens_under_any_schedule(tiny_model_dir, case, schedule):
     got = _run(engine, ids, params, stagger=3 if schedule == "prefix_caching" else 0)
     _, want = hf_greedy(path, ids, 20)
     assert got == want
-    if schedule.startswith("preemption"):
+    if schedule.startswith("preemption") and case != "gemma3_all_local":
         assert engine.scheduler.num_preemptions > 0
+    if schedule == "preemption" and case == "gemma3_all_local":
+        # the pool that preempts the others is enough here: blocks before the window were freed
+        assert engine.scheduler.num_preemptions == 0
     if schedule == "prefix_caching":
         assert engine.kv.pool.num_hits > 0  # the SHARED prompts reuse each other's full blocks
 
