@@ -55,9 +55,21 @@ def make_tiny_model(path: Path, arch: str = "llama", tie: bool = False, num_kv_h
         "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),  # checkpoint holds qkv_proj and gate_up_proj fused
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+        # Gemma 3 with its (tiny SigLIP) vision tower: the engine serves the text model
+        "gemma3_mm": (lambda **kw: tf.Gemma3Config(
+            text_config=kw, tie_word_embeddings=kw["tie_word_embeddings"], mm_tokens_per_image=4,
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=28, patch_size=14)), tf.Gemma3ForConditionalGeneration),
     }[arch]
     if arch == "qwen3":
         common.setdefault("head_dim", 16)
+    if arch.startswith("gemma"):
+        # head_dim != hidden / heads, a softmax scale that is not head_dim's, one local and one global layer
+        common.setdefault("head_dim", 16)
+        common.setdefault("query_pre_attn_scalar", 24)
+        common.setdefault("layer_types", ["sliding_attention", "full_attention"])
     if arch in ("mistral", "phi3"):
         common.setdefault("sliding_window", None)
     torch.manual_seed(seed)

@@ -111,6 +111,7 @@ class LLMEngine:
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = self.info.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        self.eos_token_ids += self._turn_end_ids()
         self.parents: dict[str, _Parent] = {}
         # Seconds per part of ``step`` (forward_s: the model and logits; prepare_s: turning the
         # schedule into tensors; output_s: appending tokens, stop checks, detokenizing when this
@@ -118,6 +119,20 @@ class LLMEngine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "schedule_s": 0.0,
                       "prepare_s": 0.0, "forward_s": 0.0, "sample_s": 0.0, "output_s": 0.0, "step_s": 0.0}
         self._next_id = 0
+
+    def _turn_end_ids(self) -> tuple[int, ...]:
+        """The ids of the family's end-of-turn tokens this tokenizer has (``registry.turn_end_tokens``)
+        that are not stop ids already."""
+        from appliance.models.registry import turn_end_tokens
+
+        tok, out = self.tokenizer, []
+        for text in turn_end_tokens(self.info.architecture):
+            tid = tok.convert_tokens_to_ids(text)
+            if tid is None or (tid == tok.unk_token_id and text != tok.unk_token):  # not in this vocabulary
+                continue
+            if tid not in self.eos_token_ids and tid not in out:
+                out.append(int(tid))
+        return tuple(out)
 
     # -- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

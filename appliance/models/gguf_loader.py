@@ -7,8 +7,9 @@ vocabulary, special tokens and chat template it holds (``tokenizer_dir``, cached
 building it takes seconds). Tensors are renamed to HF names. For the ``llama`` architecture
 llama.cpp's convert script permutes the rows of q_proj/k_proj (it stores rotary pairs interleaved,
 HF stores them as two halves); we undo that exactly as transformers' own GGUF loader does
-(``LlamaTensorProcessor._reverse_permute_weights``). qwen2/qwen3 are stored unpermuted (llama.cpp
-runs them in NEOX rope mode).
+(``LlamaTensorProcessor._reverse_permute_weights``). qwen2/qwen3/gemma3 are stored unpermuted (llama.cpp
+runs them in NEOX rope mode). llama.cpp's converter stores Gemma 3's RMSNorm weights as ``1 + w`` (the
+factor the norm multiplies by): they reach the model as that stored factor (``ShiftedWeight``), exactly.
 
 Mixture of experts (qwen2moe, qwen3moe, and llama with an expert_count: Mixtral): each 3-D
 ``ffn_{gate,up,down}_exps`` tensor is read one expert at a time (``_ExpertSlice``, a slice of the
@@ -45,7 +46,7 @@ from appliance.models import gguf_quants
 
 log = logging.getLogger("appliance")
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma3")
 # mixture-of-experts architectures (their ffn_*_exps tensors load one expert at a time, see _tensor_plan);
 # llama with an expert_count is Mixtral
 MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "llama")
@@ -63,6 +64,7 @@ _HF_ARCH = {
     "mixtral": ("mixtral", "MixtralForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -98,6 +100,12 @@ _EXPERT_TENSORS = {
     "ffn_up_exps.weight": "up_proj.weight",
     "ffn_down_exps.weight": "down_proj.weight",
 }
+# Gemma 3's four norms per layer: llama.cpp's ffn_norm is the pre-feed-forward norm there.
+_LAYER_TENSORS_OF = {"gemma3": {**_LAYER_TENSORS, "post_attention_norm.weight": "post_attention_layernorm.weight",
+                                "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}}
+# GGUF architecture -> what llama.cpp's converter added to every "*norm.weight" (Gemma: 1 + w)
+_NORM_SHIFT = {"gemma3": 1.0}
 
 
 def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -274,6 +282,8 @@ def _build_configs(reader, meta: dict, path: Path) -> tuple[dict, dict]:
         rope_scaling = llama3_rope_scaling(dequantize(t.data, t.tensor_type).reshape(-1), rope_theta, head_dim, path)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
+    if arch == "gemma3":
+        _gemma3_config(meta, config, path)
 
     generation_config = {}
     for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
@@ -341,6 +351,42 @@ class _ExpertSlice:
         self.name, self.tensor_type, self.data = f"{t.name}[{e}]", t.tensor_type, t.data[e]
 
 
+def _gemma3_config(meta: dict, config: dict, path: Path) -> None:
+    """The Gemma 3 fields of ``config``, as llama.cpp reads the file (src/models/gemma3.cpp): local layers
+    only with ``attention.sliding_window``, chosen by ``attention.sliding_window_pattern`` (a per-layer
+    array, or a period n whose last layer is global; 6 when absent); ``rope.freq_base`` and the rope
+    scaling for global layers, ``rope.freq_base_swa`` (10000 when absent) unscaled for local ones; the
+    softmax scale 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 62-layer (27B) model, since the
+    file does not record query_pre_attn_scalar."""
+    a, n_layers = "gemma3", config["num_hidden_layers"]
+    window = int(meta.get(f"{a}.attention.sliding_window", 0) or 0)
+    pattern = meta.get(f"{a}.attention.sliding_window_pattern", 6)
+    if window <= 0:
+        local = [False] * n_layers
+    elif isinstance(pattern, list):
+        if len(pattern) != n_layers:
+            raise ModelLoadError(f"{path}: {a}.attention.sliding_window_pattern has {len(pattern)} entries for "
+                                 f"{n_layers} layers")
+        local = [bool(x) for x in pattern]
+    else:
+        n = int(pattern)
+        local = [n == 0 or i % n < n - 1 for i in range(n_layers)]
+    config.pop("hidden_act")
+    config["hidden_activation"] = "gelu_pytorch_tanh"
+    config["layer_types"] = ["sliding_attention" if x else "full_attention" for x in local]
+    config["sliding_window"] = window if any(local) else None
+    full = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+    full.update(config.pop("rope_scaling", None) or {})
+    local_theta = _f32(meta.get(f"{a}.rope.freq_base_swa", 10000.0))
+    config["rope_parameters"] = {"full_attention": full,
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
+    config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"] if n_layers == 62
+                                       else config["head_dim"])
+    cap = meta.get(f"{a}.final_logit_softcapping")
+    config["final_logit_softcapping"] = _f32(cap) if cap else None
+    config["attn_logit_softcapping"] = None
+
+
 def _rope_scaling(meta: dict, arch: str) -> dict | None:
     kind = meta.get(f"{arch}.rope.scaling.type")
     factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear"))
@@ -403,6 +449,7 @@ def llama3_freq_factors(scaling: dict, rope_theta: float, head_dim: int) -> np.n
 def _tensor_plan(reader, meta: dict, config: dict, path: Path):
     """(GGUF tensor, HF name, HF shape, heads whose q/k rows to un-permute or None) per weight."""
     arch = meta["general.architecture"]
+    layer_tensors = _LAYER_TENSORS_OF.get(arch, _LAYER_TENSORS)
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # folded into config["rope_scaling"]
@@ -419,9 +466,9 @@ def _tensor_plan(reader, meta: dict, config: dict, path: Path):
             hf_name = _GLOBAL_TENSORS[t.name]
         else:
             parts = t.name.split(".", 2)
-            if len(parts) != 3 or parts[0] != "blk" or parts[2] not in _LAYER_TENSORS:
+            if len(parts) != 3 or parts[0] != "blk" or parts[2] not in layer_tensors:
                 raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for architecture {arch!r}")
-            hf_name = f"model.layers.{int(parts[1])}.{_LAYER_TENSORS[parts[2]]}"
+            hf_name = f"model.layers.{int(parts[1])}.{layer_tensors[parts[2]]}"
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (the fastest dim) first
         if hf_name.endswith(".shared_expert_gate.weight") and len(shape) == 1:
             shape = (1, shape[0])  # llama.cpp stores the [1, hidden] gate as a vector
@@ -436,9 +483,12 @@ def _hf_tensors(reader, meta: dict, config: dict, path: Path):
     from gguf.quants import dequantize
 
     out = []
+    shift = _NORM_SHIFT.get(meta["general.architecture"], 0.0)
     for t, hf_name, shape, n_heads in _tensor_plan(reader, meta, config, path):
-        def load(t=t, shape=shape, n_heads=n_heads):
+        def load(t=t, shape=shape, n_heads=n_heads, hf_name=hf_name):
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+            if shift and hf_name.endswith("norm.weight"):  # HF's form, w; the stored 1 + w rounds back within an ulp
+                w = w - np.float32(shift)
             return w if n_heads is None else _unpermute_rows(w, n_heads)
 
         out.append((hf_name, shape, load))
@@ -523,6 +573,7 @@ class GGUFSource:
         self.hf_config = hf_config or config
         self.plan = list(_tensor_plan(self.reader, self.meta, config, self.path))
         self.keep, self.float_from = tuple(keep), float_from
+        self.norm_shift = _NORM_SHIFT.get(self.meta["general.architecture"], 0.0)
 
     def _kept(self, t, hf_name: str, shape) -> bool:
         return t.tensor_type.name in self.keep and hf_name.endswith("_proj.weight") and len(shape) == 2
@@ -538,7 +589,7 @@ class GGUFSource:
     def weights(self, wants_quantized=lambda name: False):
         import torch
 
-        from appliance.layers.weight_loading import QuantizedWeight
+        from appliance.layers.weight_loading import QuantizedWeight, ShiftedWeight
 
         quantized = {hf for t, hf, shape, _ in self.plan if self._kept(t, hf, shape) and wants_quantized(hf)}
         if self.float_from is not None:  # the float copies of quantized layers are never read
@@ -556,6 +607,8 @@ class GGUFSource:
                 with warnings.catch_warnings():  # an F32 tensor is the read-only memmap itself: only read
                     warnings.simplefilter("ignore", UserWarning)
                     tensor = torch.from_numpy(w)
+                if self.norm_shift and hf.endswith("norm.weight"):
+                    tensor = ShiftedWeight(tensor, self.norm_shift)
                 yield self.path, hf, tensor
 
     def _float(self, t, shape, n_heads) -> np.ndarray:

@@ -300,3 +300,7 @@ class LlamaForCausalLM(nn.Module):
             if f".mlp.{shard}." in name:
                 return name.replace(f".{shard}.", ".gate_up_proj."), shard
         return name, None
+
+
+def build(architecture: str, hf_config: dict) -> LlamaForCausalLM:
+    return LlamaForCausalLM(LlamaConfig.from_hf(hf_config, ARCHS[architecture]))

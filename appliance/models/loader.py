@@ -65,7 +65,17 @@ def _eos_ids(path: Path, hf: dict) -> tuple[int, ...]:
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{gen}: not valid JSON ({e})") from e
     add(hf.get("eos_token_id"))
+    add(_text_config(hf).get("eos_token_id"))
     return tuple(ids)
+
+
+def _text_config(hf: dict) -> dict:
+    """The text model's config: ``text_config`` of a multimodal checkpoint (Gemma 3), else the config."""
+    return hf["text_config"] if isinstance(hf.get("text_config"), dict) else hf
+
+
+def _max_position(hf: dict) -> int:
+    return int(hf.get("max_position_embeddings") or _text_config(hf).get("max_position_embeddings", 2048))
 
 
 def model_info(path: Path) -> ModelInfo:
@@ -82,7 +92,7 @@ def model_info(path: Path) -> ModelInfo:
                          int(hf.get("max_position_embeddings", 2048)))
     hf = read_config(path)
     arch = resolve_architecture(hf, path / "config.json")
-    return ModelInfo(path, arch, hf, _eos_ids(path, hf), int(hf.get("max_position_embeddings", 2048)))
+    return ModelInfo(path, arch, hf, _eos_ids(path, hf), _max_position(hf))
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -248,8 +258,9 @@ def load_weights(model: torch.nn.Module, source, architecture: str = "") -> None
             return False
 
     split = getattr(model, "split_checkpoint_tensor", None)  # one checkpoint tensor -> several (MoE 3-D experts)
+    ignored = getattr(model, "ignored_weight", lambda name: False)  # e.g. a multimodal checkpoint's vision tower
     for f, name, value in _split_all(source.weights(wants_quantized), split):
-        if "rotary_emb.inv_freq" in name:
+        if "rotary_emb.inv_freq" in name or ignored(name):
             continue
         if name == "lm_head.weight" and "lm_head.weight" not in params:
             continue  # tied embeddings: the checkpoint may still carry a copy

@@ -418,6 +418,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """``gelu(x[..., :d]) * x[..., d:]`` (see ``reference.gelu_and_mul``). No kernel of its own yet: torch's
+    CPU GELU is vectorized already, and the GeGLU models (Gemma) spend their time in the GEMMs."""
+    return reference.gelu_and_mul(x, approximate)
+
+
 def gemm_w8g_a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, wsum: torch.Tensor, n: int, group: int,
                 has_m128: bool) -> torch.Tensor:
     """W8A8 with group-wise weight scales: x [M, K] float32 -> [M, n] float32, over weights packed by

@@ -202,6 +202,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
+def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """``gelu(x[..., :d]) * x[..., d:]`` (GeGLU) where the last dim is ``2d``; ``approximate``:
+    ``tanh`` (Gemma's ``gelu_pytorch_tanh``) or ``none`` (the exact erf GELU)."""
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate=approximate) * x[..., d:]
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Index of the first maximum along the last dim (a NaN counts as the maximum), int64."""
     return x.argmax(dim=-1)
