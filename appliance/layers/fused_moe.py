@@ -11,7 +11,7 @@ epilogue), which a stacked layout would not reach without a per-expert variant o
 Per step the ``[T, top_k]`` expert ids are sorted once; the token rows are gathered in that order so
 each expert's rows are one contiguous slice, and each chosen expert runs its gate/up and down
 projections ONCE on its slice (a loop over the experts hit this step, never over tokens). The
-results are weighted by the routing weights and summed back per token with one ``index_add_``.
+results are gathered back into (token, slot) order, weighted by the routing weights and summed per token.
 """
 from __future__ import annotations
 
@@ -73,6 +73,16 @@ def grouped_experts(ops, x: torch.Tensor, expert_ids: torch.Tensor, weights: tor
         if n:
             out_rows[start:start + n] = experts[e](ops, rows[start:start + n])
             start += n
+    # Each row weighted (in the weights' dtype, then rounded to x's, as transformers does), then summed
+    # per token in increasing expert order, in x's dtype, as transformers' loop over experts adds them
+    # (so bf16 results round alike). The rows are grouped by expert, so within a token its rows already
+    # come in expert order: a stable sort by token gives (token, expert) order, and k adds sum them.
+    # (index_add_ into the tokens did the same sums but cost milliseconds a call on the CPU.)
     w = weights.reshape(-1).index_select(0, order)
-    out_rows = (out_rows * w[:, None]).to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, token_of, out_rows)
+    contrib = (out_rows * w[:, None]).to(x.dtype)
+    by_token = torch.argsort(token_of, stable=True)
+    per_slot = contrib.index_select(0, by_token).view(t, k, -1)
+    out = per_slot[:, 0].clone()
+    for j in range(1, k):  # top_k adds of [T, hidden] (a loop over slots, never over tokens)
+        out += per_slot[:, j]
+    return out
