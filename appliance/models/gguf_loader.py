@@ -424,7 +424,9 @@ class GGUFSource:
         self.keep, self.float_from = tuple(keep), float_from
 
     def _kept(self, t, hf_name: str, shape) -> bool:
-        return t.tensor_type.name in self.keep and hf_name.endswith("_proj.weight") and len(shape) == 2
+        # projections, and the embedding table (QuantEmbedding; a tied lm_head shares it)
+        return (t.tensor_type.name in self.keep and len(shape) == 2
+                and (hf_name.endswith("_proj.weight") or hf_name == "model.embed_tokens.weight"))
 
     def quantized_layers(self) -> dict[str, tuple[str, int]]:
         out = {}

@@ -15,6 +15,7 @@ from appliance.layers.attention import Attention
 from appliance.layers.linear import Linear
 from appliance.layers.norm import RMSNorm
 from appliance.layers.rotary import build_inv_freq
+from appliance.layers.vocab import tied_lm_head
 
 
 @dataclass(frozen=True)
@@ -180,12 +181,9 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops
         self.rotary = Rotary(self.config, max_position, device)
         if self.config.tie_word_embeddings:
-            # The logits projection shares the embedding's weight; a Linear around it lets the
-            # linear backends (e.g. a prepacked copy) apply to it like to any other layer.
-            emb = self.model.embed_tokens.weight
-            self.lm_head = Linear(emb.shape[1], emb.shape[0])
-            self.lm_head.weight = emb
-            self.lm_head.keep_weight = True
+            # The logits projection shares the embedding's table (float or quantized); as a linear
+            # layer, the linear methods apply to it like to any other.
+            self.lm_head = tied_lm_head(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""

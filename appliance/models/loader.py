@@ -181,9 +181,11 @@ def load(info: ModelInfo, dtype: torch.dtype, device: torch.device, quantization
 
 
 def _is_quant(m) -> bool:
+    """A module holding the canonical quantized form (qweight, weight_scale, weight_zero_point)."""
     from appliance.layers.quant import QuantLinear
+    from appliance.layers.vocab import QuantEmbedding
 
-    return isinstance(m, QuantLinear)
+    return isinstance(m, (QuantLinear, QuantEmbedding))
 
 
 def build_model_for(info: ModelInfo, source, device: torch.device) -> torch.nn.Module:
@@ -202,6 +204,9 @@ def build_model_for(info: ModelInfo, source, device: torch.device) -> torch.nn.M
     with torch.device("meta"):
         model = build_model(info.architecture, info.hf_config)
         for name, mod in list(model.named_modules()):
+            if isinstance(mod, torch.nn.Embedding) and f"{name}.weight" in qlayers:
+                _quantized_embedding(model, name, mod, qlayers[f"{name}.weight"], source.path)
+                continue
             if not isinstance(mod, Linear) or name == "lm_head" or not qlayers:
                 continue
             parent, leaf = name.rsplit(".", 1)
@@ -222,6 +227,20 @@ def build_model_for(info: ModelInfo, source, device: torch.device) -> torch.nn.M
         if _is_quant(m) and m.weight_zero_point is not None:
             m.weight_zero_point.data.zero_()
     return model
+
+
+def _quantized_embedding(model, name: str, mod, form: tuple[str, int | None], path) -> None:
+    """Swap the float embedding ``name`` for a ``QuantEmbedding`` of the source's form (its table stays
+    quantized; a tied lm_head then runs on a quantized method, see ``appliance.layers.vocab``)."""
+    from appliance.layers.vocab import QuantEmbedding
+
+    scheme, group = form
+    try:
+        q = QuantEmbedding(mod.num_embeddings, mod.embedding_dim, scheme, group or mod.embedding_dim)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: tensor {name + '.weight'!r}: {e}") from e
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, q)
 
 
 def load_weights(model: torch.nn.Module, source, architecture: str = "") -> None:
@@ -285,11 +304,17 @@ def process_weights_after_loading(model: torch.nn.Module, quantization: str, gro
 
 
 def cast_float(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Model dtype for float parameters; QuantLinear's int8 weights and fp32 scales stay as they are."""
+    """Model dtype for float parameters; QuantLinear's int8 weights and fp32 scales stay as they are
+    (a QuantEmbedding's zero points too: it returns its rows in ``dtype``)."""
+    from appliance.layers.vocab import QuantEmbedding
+
     for mod in model.modules():
         quant = _is_quant(mod)
+        held = ("qweight", "weight_scale") + (("weight_zero_point",) if isinstance(mod, QuantEmbedding) else ())
+        if isinstance(mod, QuantEmbedding):
+            mod.dtype = dtype
         for name, p in list(mod.named_parameters(recurse=False)):
-            if quant and name in ("qweight", "weight_scale"):
+            if quant and name in held:
                 continue
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
