@@ -63,7 +63,7 @@ def write_llama_gguf(path: Path, vocab: dict, types: dict[str, str], *, layers: 
                    (w.add_add_bos_token, False)]:
         add(v)
     tokens = list(vocab["tokens"]) + [f"<extra_{i}>" for i in range(n_vocab - len(vocab["tokens"]))]
-    token_types = list(vocab["token_type"]) + [4] * (n_vocab - len(vocab["tokens"]))  # 4: user-defined
+    token_types = list(vocab["token_type"]) + [1] * (n_vocab - len(vocab["tokens"]))  # 1: normal (no merges reach them)
     w.add_token_list(tokens)
     w.add_token_types(token_types)
     shapes = {"token_embd.weight": (n_vocab, hidden), "output.weight": (n_vocab, hidden)}

@@ -172,6 +172,8 @@ def load(info: ModelInfo, dtype: torch.dtype, device: torch.device, quantization
     quantize_floats = quantization in ("w8a8", "w4a8") and not prequantized
     cast_float(model, torch.float32 if quantize_floats else dtype)
     load_weights(model, source, info.architecture)
+    if hasattr(source, "close"):  # a GGUF: its mmap'ed pages and parsed metadata are not read again
+        source.close()
     process_weights_after_loading(model, quantization if quantize_floats else "none", group_size, dtype, info.path)
     n_q = sum(1 for m in model.modules() if _is_quant(m))
     if n_q and not prequantized:
