@@ -484,9 +484,9 @@ class GGUFSource:
         forget_reader(self.path)
 
     def _kept(self, t, hf_name: str, shape) -> bool:
-        # projections, and the embedding table (QuantEmbedding; a tied lm_head shares it)
+        # projections, the embedding table (QuantEmbedding; a tied lm_head shares it) and an untied lm_head
         return (t.tensor_type.name in self.keep and len(shape) == 2
-                and (hf_name.endswith("_proj.weight") or hf_name == "model.embed_tokens.weight"))
+                and (hf_name.endswith("_proj.weight") or hf_name in ("model.embed_tokens.weight", "lm_head.weight")))
 
     def quantized_layers(self) -> dict[str, tuple[str, int]]:
         out = {}

@@ -191,8 +191,10 @@ def _is_quant(m) -> bool:
 
 
 def build_model_for(info: ModelInfo, source, device: torch.device) -> torch.nn.Module:
-    """The model on ``device`` (uninitialized): a ``QuantLinear`` for every layer (but lm_head) all of
-    whose checkpoint weights ``source`` gives quantized with one scheme and group size, else float.
+    """The model on ``device`` (uninitialized): a ``QuantLinear`` for every layer all of whose
+    checkpoint weights ``source`` gives quantized with one scheme and group size (an untied lm_head
+    too: a GGUF's output.weight of a kept type), else float; a ``QuantEmbedding`` for an embedding
+    table it gives quantized.
 
     The rule for a fused q/k/v or gate/up whose shards differ (a GGUF mixing types, a partly ignored
     compressed-tensors layer): the whole layer is float, its quantized shards dequantized at load, and
@@ -209,9 +211,9 @@ def build_model_for(info: ModelInfo, source, device: torch.device) -> torch.nn.M
             if isinstance(mod, torch.nn.Embedding) and f"{name}.weight" in qlayers:
                 _quantized_embedding(model, name, mod, qlayers[f"{name}.weight"], source.path)
                 continue
-            if not isinstance(mod, Linear) or name == "lm_head" or not qlayers:
+            if not isinstance(mod, Linear) or not qlayers:
                 continue
-            parent, leaf = name.rsplit(".", 1)
+            parent, _, leaf = name.rpartition(".")
             parts = [f"{parent}.{s}.weight" for s in mod.shards] or [f"{name}.weight"]
             kinds = {qlayers.get(p) for p in parts}
             if len(kinds) != 1 or None in kinds:
@@ -223,7 +225,7 @@ def build_model_for(info: ModelInfo, source, device: torch.device) -> torch.nn.M
             except ValueError as e:
                 raise ModelLoadError(f"{source.path}: tensor {parts[0]!r}: group size {group} (from the checkpoint's "
                                      f"quantization config) does not divide the input size {mod.in_features}") from e
-            setattr(model.get_submodule(parent), leaf, q)
+            setattr(model.get_submodule(parent) if parent else model, leaf, q)
     model = model.to_empty(device=device)
     for m in model.modules():  # symmetric checkpoints carry no zero points
         if _is_quant(m) and m.weight_zero_point is not None:
@@ -270,7 +272,7 @@ def load_weights(model: torch.nn.Module, source, architecture: str = "") -> None
     for f, name, value in source.weights(wants_quantized):
         if "rotary_emb.inv_freq" in name:
             continue
-        if name == "lm_head.weight" and "lm_head.weight" not in params:
+        if name == "lm_head.weight" and not any(p.startswith("lm_head.") for p in params):
             continue  # tied embeddings: the checkpoint may still carry a copy
         try:
             pname, shard, mod = locate(name)
