@@ -1,7 +1,7 @@
 """The vocabulary-sized pair: the token embedding table held quantized (``QuantEmbedding``) and the
 logits projection tied to an embedding (``tied_lm_head``), for every architecture that ties them.
 
-A model builds its embedding as a plain ``nn.Embedding``; the loader swaps in a ``QuantEmbedding``
+A model builds its embedding as a ``VocabEmbedding`` (an ``nn.Embedding``); the loader swaps in a ``QuantEmbedding``
 when the weight source gives the table quantized (a GGUF's ``token_embd`` of a kept type, see
 ``appliance.models.gguf_quants``), so the table stays in the file's W8/W4 group form instead of
 float32 (a 151936 x 896 vocabulary: 545 MB as float32, 138 MB as the file's Q8_0). A lookup
@@ -19,6 +19,15 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+class VocabEmbedding(nn.Embedding):
+    """``nn.Embedding`` without its random initialisation: its table always comes from a checkpoint,
+    and on the meta device (where models are built) ``nn.init.normal_`` runs through torch's
+    decompositions, whose first use imports ``torch._dynamo``: 5-7 s of every start-up here."""
+
+    def reset_parameters(self) -> None:
+        pass
 
 
 class QuantEmbedding(nn.Module):

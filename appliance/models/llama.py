@@ -15,7 +15,7 @@ from appliance.layers.attention import Attention
 from appliance.layers.linear import Linear
 from appliance.layers.norm import RMSNorm
 from appliance.layers.rotary import build_inv_freq
-from appliance.layers.vocab import tied_lm_head
+from appliance.layers.vocab import VocabEmbedding, tied_lm_head
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ class DecoderLayer(nn.Module):
 class Model(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
