@@ -241,8 +241,10 @@ class QuantLinear(LinearBase):
 
     def weight_bytes(self) -> int:
         b = self.bias.numel() * self.bias.element_size() if self.bias is not None else 0
-        if self.packed is not None:
-            return packed_bytes(self.packed) + b
+        if self.packed is not None:  # plus the canonical form where it is still held (a tied embedding reads it)
+            held = sum(t.numel() * t.element_size() for t in (self.qweight, self.weight_scale, self.weight_zero_point)
+                       if t is not None)
+            return packed_bytes(self.packed) + b + held
         return self.qweight.numel() * (1 if self.scheme == "w8a8" else 0.5) + self.weight_scale.numel() * 8 + b
 
     def _zp(self) -> torch.Tensor | None:
