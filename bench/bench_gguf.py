@@ -50,7 +50,6 @@ A quick end-to-end check (2 layers, 1 rep, short lengths; minutes):
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
@@ -94,8 +93,7 @@ def median(xs):
 
 
 # -- the model ----------------------------------------------------------------------------------
-def models_root() -> Path:
-    return Path.home() / ".cache" / "appliance" / "bench-models"
+from appliance.bench.random_models import models_root  # noqa: E402
 
 
 def model_name(shape: str, layers: int | None, seed: int) -> str:
@@ -108,31 +106,16 @@ def f16_gguf(shape: str, layers: int | None, seed: int) -> Path:
     out = models_root() / model_name(shape, layers, seed) / "F16.gguf"
     if out.is_file():
         return out
-    import torch
-    import transformers as tf
-
     from appliance.bench.gguf_export import write_gguf
-    from appliance.models.default_model import resolve_model
+    from appliance.bench.random_models import write_random_model
 
     cfg = dict(SHAPES[shape])
     if layers:
         cfg["num_hidden_layers"] = layers
     log(f"writing a random-weight {shape} model ({cfg['num_hidden_layers']} layers) as {out}")
-    torch.manual_seed(seed)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        hf = Path(tmp) / model_name(shape, layers, seed)
-        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**cfg)).to(torch.float32)
-        std = model.model.layers[0].mlp.down_proj.weight.std().item()
-        if not 0.01 < std < 0.04:
-            raise RuntimeError(f"transformers' init gave std {std:.4f}, not ~0.02 (initializer_range)")
-        model.save_pretrained(str(hf), safe_serialization=True)
-        del model
-        gc.collect()
-        src = Path(resolve_model(None))  # any tokenizer will do: prompts are token ids
-        for f in src.iterdir():
-            if f.name.startswith("tokenizer") or f.suffix == ".jinja":
-                shutil.copy2(f, hf / f.name)
+        hf = write_random_model(Path(tmp) / model_name(shape, layers, seed), "Qwen2", cfg, seed)
         write_gguf(hf, out, "float16")
     return out
 

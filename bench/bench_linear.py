@@ -53,21 +53,9 @@ QWEN05 = {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "
 
 
 def qwen05_dir(tmp: Path) -> Path:
-    import transformers as tf
+    from appliance.bench.random_models import write_random_model
 
-    from appliance.models.default_model import resolve_model
-
-    torch.manual_seed(0)
-    path = tmp / "qwen2.5-0.5b-shape"
-    model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**QWEN05)).to(torch.float32)
-    model.save_pretrained(str(path), safe_serialization=True)
-    del model
-    gc.collect()
-    src = Path(resolve_model(None))  # any tokenizer will do: prompts are token ids
-    for f in src.iterdir():
-        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
-            shutil.copy2(f, path / f.name)
-    return path
+    return write_random_model(tmp / "qwen2.5-0.5b-shape", "Qwen2", QWEN05, seed=0)
 
 
 def w4_channelwise_linear_bytes(model: torch.nn.Module, linear_bytes: int) -> dict[str, int]:

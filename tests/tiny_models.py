@@ -36,16 +36,41 @@ def make_tiny_model(path: Path, arch: str = "llama", tie: bool = False, num_kv_h
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=512,
                   tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    # mixture of experts: 8 experts, top-2, tiny expert widths (Qwen2-MoE: a shared expert too;
+    # Qwen3-MoE: norm_topk_prob on, Qwen2-MoE: off, as their defaults)
+    common.update({
+        "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, sliding_window=None),
+        "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=48),
+        "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                          norm_topk_prob=True),
+    }.get(arch, {}))
     common.update(overrides)
     cls = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),  # checkpoint holds qkv_proj and gate_up_proj fused
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+        # Gemma 3 with its (tiny SigLIP) vision tower: the engine serves the text model
+        "gemma3_mm": (lambda **kw: tf.Gemma3Config(
+            text_config=kw, tie_word_embeddings=kw["tie_word_embeddings"], mm_tokens_per_image=4,
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=28, patch_size=14)), tf.Gemma3ForConditionalGeneration),
     }[arch]
     if arch == "qwen3":
         common.setdefault("head_dim", 16)
-    if arch == "mistral":
+    if arch.startswith("gemma"):
+        # head_dim != hidden / heads, a softmax scale that is not head_dim's, one local and one global layer
+        common.setdefault("head_dim", 16)
+        common.setdefault("query_pre_attn_scalar", 24)
+        common.setdefault("layer_types", ["sliding_attention", "full_attention"])
+    if arch in ("mistral", "phi3"):
         common.setdefault("sliding_window", None)
     torch.manual_seed(seed)
     cfg = cls[0](**common)

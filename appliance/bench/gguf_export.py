@@ -34,7 +34,8 @@ import numpy as np
 
 from appliance.errors import ModelLoadError
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "Gemma3ForCausalLM": "gemma3"}
 DTYPES = ("float32", "float16", "bfloat16")
 # Bump when the written layout changes, so cached files are rewritten.
 _EXPORT_VERSION = 1
@@ -57,15 +58,20 @@ _LAYER = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# Gemma 3 (llama.cpp's conversion/gemma.py, Gemma3Model): four norms per layer, ffn_norm the pre-feed-forward one
+_GEMMA3_LAYER = {**_LAYER, "post_attention_layernorm.weight": "post_attention_norm.weight",
+                 "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                 "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 
 
-def gguf_name(hf_name: str) -> str | None:
+def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
     """llama.cpp's name of an HF tensor; None for buffers llama.cpp does not store (rotary inv_freq)."""
     if hf_name in _GLOBAL:
         return _GLOBAL[hf_name]
+    layer = _GEMMA3_LAYER if arch == "gemma3" else _LAYER
     parts = hf_name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER:
-        return f"blk.{int(parts[2])}.{_LAYER[parts[3]]}"
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in layer:
+        return f"blk.{int(parts[2])}.{layer[parts[3]]}"
     if hf_name.endswith("rotary_emb.inv_freq"):
         return None
     raise ModelLoadError(f"no GGUF name for tensor {hf_name!r}")
@@ -169,7 +175,11 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype:
         raise ModelLoadError(f"{model_dir}: architecture {config.get('architectures')} is not exported to GGUF; "
                              f"supported: {', '.join(ARCHITECTURES)}")
     rope = config.get("rope_parameters") or {}
-    if config.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+    local_rope = None
+    if arch == "gemma3" and "full_attention" in rope:  # per layer type (transformers 5)
+        rope, local_rope = rope["full_attention"], rope.get("sliding_attention") or {}
+    if config.get("rope_scaling") or rope.get("rope_type", "default") != "default" or \
+            (local_rope or {}).get("rope_type", "default") != "default":
         raise ModelLoadError(f"{model_dir}: rope scaling is not exported to GGUF")
     hidden, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     n_kv = int(config.get("num_key_value_heads") or n_heads)
@@ -198,15 +208,19 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype:
         w.add_rope_dimension_count(head_dim)
         w.add_rope_freq_base(float(rope_theta))
         w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
-        if head_dim != hidden // n_heads:
+        if head_dim != hidden // n_heads or arch == "gemma3":
             w.add_key_length(head_dim)
             w.add_value_length(head_dim)
+        if arch == "gemma3":
+            _gemma3_metadata(w, config, local_rope, model_dir)
 
         vocab_rows = None
         for name, t in _load_tensors(model_dir):
-            gname = gguf_name(name)
+            gname = gguf_name(name, arch)
             if gname is None or (tied and gname == "output.weight"):
                 continue
+            if arch == "gemma3" and gname.endswith("norm.weight"):
+                t = t + np.float32(1.0)  # as llama.cpp's converter: the factor (1 + w) the norm multiplies by
             if gname == "token_embd.weight":
                 vocab_rows = t.shape[0]
             if arch == "llama" and gname.endswith((".attn_q.weight", ".attn_k.weight")):
@@ -242,6 +256,29 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype:
         Path(tmp).unlink(missing_ok=True)
         raise
     return out_path
+
+
+def _gemma3_metadata(w, config: dict, local_rope: dict | None, model_dir: Path) -> None:
+    """What llama.cpp reads for Gemma 3 beyond the common keys: the window, the local layers' rope base,
+    the final soft-cap. The per-layer local/global array is written when the layer types are not the
+    pattern llama.cpp assumes otherwise (every 6th layer global). llama.cpp takes the softmax scale as
+    1/sqrt(head_dim) (the file has no query_pre_attn_scalar): a model with another one is refused."""
+    n_layers, head_dim = int(config["num_hidden_layers"]), int(config["head_dim"])
+    if float(config.get("query_pre_attn_scalar", head_dim)) != head_dim or n_layers == 62:
+        raise ModelLoadError(f"{model_dir}: query_pre_attn_scalar={config.get('query_pre_attn_scalar')} is not the "
+                             f"head_dim={head_dim} llama.cpp assumes; not exported to GGUF")
+    if config.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError(f"{model_dir}: attn_logit_softcapping is not part of Gemma 3 in llama.cpp")
+    types = config.get("layer_types") or []
+    local = [t == "sliding_attention" for t in types]
+    if any(local):
+        w.add_sliding_window(int(config["sliding_window"]))
+        if local != [i % 6 < 5 for i in range(n_layers)]:
+            w.add_sliding_window_pattern(local)
+    theta = (local_rope or {}).get("rope_theta", config.get("rope_local_base_freq", 10000.0))
+    w.add_rope_freq_base_swa(float(theta))
+    if config.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
 
 
 def cached_gguf(model_dir: str | os.PathLike, dtype: str = "float32") -> Path:

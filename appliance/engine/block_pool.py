@@ -14,6 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+# A block-table entry whose block was released because no attention layer can read it any more
+# (every layer windowed, the block wholly before every window): the kernels never read it, and the
+# pool's bookkeeping skips it.
+NULL_BLOCK = -1
+
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return hash((parent_hash, tuple(token_ids)))
@@ -150,11 +155,12 @@ class BlockPool:
 
     def check(self, block_tables: Iterable[Sequence[int]]) -> None:
         """Integrity (rule 4): free + used == total, free blocks have no references, and each
-        block's ref count equals the number of block tables holding it."""
+        block's ref count equals the number of block tables holding it (NULL_BLOCK entries aside)."""
         counts = [0] * self.num_blocks
         for table in block_tables:
             for bid in table:
-                counts[bid] += 1
+                if bid != NULL_BLOCK:
+                    counts[bid] += 1
         free_ids = [b.block_id for b in self.free_queue]
         assert len(free_ids) == self.free_queue.num_free, "free queue length out of sync"
         assert len(set(free_ids)) == len(free_ids), "a block is twice in the free queue"

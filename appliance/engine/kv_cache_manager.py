@@ -1,7 +1,7 @@
 """Per-request view of the block pool: prefix-cache lookups and slot allocation. No torch."""
 from __future__ import annotations
 
-from appliance.engine.block_pool import BlockPool, KVBlock
+from appliance.engine.block_pool import NULL_BLOCK, BlockPool, KVBlock
 from appliance.engine.request import Request
 
 
@@ -10,9 +10,15 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None):
+        """``sliding_window``: set when every attention layer is windowed, to the largest window (the
+        farthest any layer looks back); None when some layer attends to the whole context."""
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, block_size, enable_caching)
 
     @property
@@ -81,8 +87,28 @@ class KVCacheManager:
             self.pool.cache_block(req.block_ids[i], h, parent, chunk)
             req.block_hashes.append(h)
 
+    def free_out_of_window(self, req: Request) -> int:
+        """With every layer windowed: release the request's blocks that no layer can read again and
+        put NULL_BLOCK in their place in its block table. The next query sits at position
+        ``num_computed_tokens`` and sees keys from ``num_computed_tokens - W + 1`` on, so the blocks
+        wholly before that one are done with (``reference.paged_attention`` starts reading at that
+        very block). They keep their hashes, as any freed block: a prefix-cache hit may revive them
+        until they are allocated again. Returns how many were released."""
+        if self.sliding_window is None:
+            return 0
+        ids = req.block_ids
+        n = max(0, req.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        released = []
+        for i in range(min(n, len(ids)) - 1, -1, -1):  # back to the first already released one
+            if ids[i] == NULL_BLOCK:
+                break
+            released.append(ids[i])  # latest first, as free() does: the oldest stay cached longest
+            ids[i] = NULL_BLOCK
+        self.pool.free(released)
+        return len(released)
+
     def free(self, req: Request) -> None:
-        self.pool.free(req.block_ids[::-1])
+        self.pool.free([b for b in reversed(req.block_ids) if b != NULL_BLOCK])
         req.block_ids = []
         req.block_hashes = []
 

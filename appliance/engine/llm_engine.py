@@ -103,13 +103,15 @@ class LLMEngine:
             raise ModelLoadError(f"{config.tokenizer or self.model_path}: cannot load tokenizer ({e})") from e
         self.dtype = resolve_dtype(config.dtype)
         self.runner = ModelRunner(config, self.info, self.dtype, self.max_model_len, self.device)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 self.runner.sliding_window)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.long_prefill_token_threshold)
         self.sampler = Sampler(self.device, config.seed, argmax=self.runner.ops.argmax)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = self.info.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        self.eos_token_ids += self._turn_end_ids()
         self.parents: dict[str, _Parent] = {}
         # Seconds per part of ``step`` (forward_s: the model and logits; prepare_s: turning the
         # schedule into tensors; output_s: appending tokens, stop checks, detokenizing when this
@@ -117,6 +119,20 @@ class LLMEngine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "schedule_s": 0.0,
                       "prepare_s": 0.0, "forward_s": 0.0, "sample_s": 0.0, "output_s": 0.0, "step_s": 0.0}
         self._next_id = 0
+
+    def _turn_end_ids(self) -> tuple[int, ...]:
+        """The ids of the family's end-of-turn tokens this tokenizer has (``registry.turn_end_tokens``)
+        that are not stop ids already."""
+        from appliance.models.registry import turn_end_tokens
+
+        tok, out = self.tokenizer, []
+        for text in turn_end_tokens(self.info.architecture):
+            tid = tok.convert_tokens_to_ids(text)
+            if tid is None or (tid == tok.unk_token_id and text != tok.unk_token):  # not in this vocabulary
+                continue
+            if tid not in self.eos_token_ids and tid not in out:
+                out.append(int(tid))
+        return tuple(out)
 
     # -- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

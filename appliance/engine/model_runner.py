@@ -48,6 +48,10 @@ class ModelRunner:
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads, self.head_size = cfg.num_key_value_heads, cfg.head_dim
         self.vocab_size = cfg.vocab_size
+        # When every layer is windowed, the largest window: blocks before it are read by no layer,
+        # and the engine frees them. None when some layer attends to everything (or no windows).
+        windows = list(getattr(cfg, "sliding_windows", None) or [None])
+        self.sliding_window = None if None in windows else max(windows)
         self.num_blocks = self._num_blocks(config)
         shape = self.ops.kv_cache_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.head_size)
         # Zeroed once: positions past a sequence's length are masked, but must never hold NaN.

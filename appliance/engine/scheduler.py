@@ -97,6 +97,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
+        for req in self.running:  # blocks out of every window go back first, for this step to use
+            self.kv.free_out_of_window(req)
 
         i = 0
         while i < len(self.running) and budget > 0:

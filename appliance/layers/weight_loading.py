@@ -45,6 +45,23 @@ class QuantizedWeight:
         return dequantize(self.qweight, self.scale, self.zero_point, torch.float64).to(dtype)
 
 
+@dataclass
+class ShiftedWeight:
+    """A norm weight as a file stores it, shifted by ``shift``: llama.cpp's converter writes Gemma's
+    RMSNorm weights as ``1 + w`` (the factor the norm multiplies by), and that value is kept as it is
+    (``OffsetRMSNorm.weight_loader``) rather than recovered through ``w = value - 1``, which rounds."""
+
+    value: torch.Tensor
+    shift: float
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.value.shape)
+
+    def unshifted(self) -> torch.Tensor:
+        return self.value.float() - self.shift
+
+
 def shard_rows(module, param: torch.Tensor, shard_id: str | None) -> torch.Tensor:
     """The rows of ``param`` that checkpoint shard ``shard_id`` fills (all of it for None)."""
     if shard_id is None:
@@ -64,6 +81,8 @@ def default_weight_loader(param: torch.Tensor, loaded, shard_id: str | None = No
     norm is always float)."""
     if isinstance(loaded, QuantizedWeight):
         loaded = loaded.dequantize()
+    elif isinstance(loaded, ShiftedWeight):
+        loaded = loaded.unshifted()
     copy_checked(param.data, loaded)
 
 

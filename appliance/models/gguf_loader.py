@@ -7,8 +7,13 @@ vocabulary, special tokens and chat template it holds (``tokenizer_dir``, cached
 building it takes seconds). Tensors are renamed to HF names. For the ``llama`` architecture
 llama.cpp's convert script permutes the rows of q_proj/k_proj (it stores rotary pairs interleaved,
 HF stores them as two halves); we undo that exactly as transformers' own GGUF loader does
-(``LlamaTensorProcessor._reverse_permute_weights``). qwen2/qwen3 are stored unpermuted (llama.cpp
-runs them in NEOX rope mode).
+(``LlamaTensorProcessor._reverse_permute_weights``). qwen2/qwen3/gemma3 are stored unpermuted (llama.cpp
+runs them in NEOX rope mode). llama.cpp's converter stores Gemma 3's RMSNorm weights as ``1 + w`` (the
+factor the norm multiplies by): they reach the model as that stored factor (``ShiftedWeight``), exactly.
+
+Mixture of experts (qwen2moe, qwen3moe, and llama with an expert_count: Mixtral): each 3-D
+``ffn_{gate,up,down}_exps`` tensor is read one expert at a time (``_ExpertSlice``, a slice of the
+memmap) under the per-expert HF name, so an expert's quantized blocks are kept like any projection's.
 
 Which tensors stay quantized (``kept_types``): with ``--quantization w4a8`` at group size 32 the W4
 group-32 block types (Q4_0, Q4_1, Q4_K), with ``w8a8`` the W8 ones (Q5_0/1, Q5_K, Q8_0, Q6_K, ...)
@@ -42,7 +47,10 @@ from appliance.models import gguf_quants
 
 log = logging.getLogger("appliance")
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma3")
+# mixture-of-experts architectures (their ffn_*_exps tensors load one expert at a time, see _tensor_plan);
+# llama with an expert_count is Mixtral
+MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "llama")
 GGUF_MAGIC = b"GGUF"
 SOURCE_RECORD = "gguf_source.json"  # in a converted directory: the GGUF it came from
 # GGUF types whose blocks are W4 groups of GGUF_BLOCK weights as they are (see the module docstring)
@@ -54,6 +62,10 @@ _HF_ARCH = {
     "mistral": ("mistral", "MistralForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "mixtral": ("mixtral", "MixtralForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -76,7 +88,25 @@ _LAYER_TENSORS = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # mixture of experts: the router, Qwen2-MoE's shared expert and its sigmoid gate
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
+# 3-D expert tensors (GGUF ne [k, n, experts]): expert e's slice is "model.layers.N.mlp.experts.e.<proj>"
+_EXPERT_TENSORS = {
+    "ffn_gate_exps.weight": "gate_proj.weight",
+    "ffn_up_exps.weight": "up_proj.weight",
+    "ffn_down_exps.weight": "down_proj.weight",
+}
+# Gemma 3's four norms per layer: llama.cpp's ffn_norm is the pre-feed-forward norm there.
+_LAYER_TENSORS_OF = {"gemma3": {**_LAYER_TENSORS, "post_attention_norm.weight": "post_attention_layernorm.weight",
+                                "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}}
+# GGUF architecture -> what llama.cpp's converter added to every "*norm.weight" (Gemma: 1 + w)
+_NORM_SHIFT = {"gemma3": 1.0}
 
 
 def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -222,7 +252,7 @@ def _read_metadata(reader, path: Path) -> dict:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if meta.get(f"{arch}.expert_count", 0):
+    if _is_moe(meta) and arch not in MOE_ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: mixture-of-experts GGUF ({arch}.expert_count={meta[f'{arch}.expert_count']}) is not supported")
     return meta
@@ -259,6 +289,17 @@ def _build_configs(reader, meta: dict, path: Path) -> tuple[dict, dict]:
     name = str(meta.get("general.name", ""))
     # llama.cpp stores Mistral as "llama"; transformers' GGUF loader does the same name check.
     hf_arch = "mistral" if arch == "llama" and "mistral" in name.lower() else arch
+    # llama.cpp runs a window when the file records one; transformers' Llama would ignore it, so such
+    # a "llama" file is served as Mistral (same tensors, every layer windowed)
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if window is not None:
+        window = int(window)
+        if window < 1:
+            raise ModelLoadError(f"{path}: {arch}.attention.sliding_window must be >= 1, got {window}")
+        if hf_arch == "llama":
+            hf_arch = "mistral"
+    if arch == "llama" and _is_moe(meta):
+        hf_arch = "mixtral"
     model_type, architecture = _HF_ARCH[hf_arch]
     config = {
         "architectures": [architecture],
@@ -278,8 +319,14 @@ def _build_configs(reader, meta: dict, path: Path) -> tuple[dict, dict]:
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "torch_dtype": "float32",
     }
-    if hf_arch == "mistral":
-        config["sliding_window"] = None  # GGUF does not record one; llama.cpp runs full attention
+    if _is_moe(meta):
+        config.update(_moe_config(meta, arch, tensors, config, path))
+    if window is not None:
+        config["sliding_window"] = window  # on every layer
+        if hf_arch in ("qwen2", "qwen3"):  # their configs switch it on, from layer max_window_layers
+            config.update(use_sliding_window=True, max_window_layers=0)
+    elif hf_arch in ("mistral", "mixtral"):
+        config["sliding_window"] = None  # the file records none; llama.cpp runs full attention
     rope_scaling = _rope_scaling(meta, arch)
     if "rope_freqs.weight" in tensors:
         if rope_scaling is not None:
@@ -289,6 +336,8 @@ def _build_configs(reader, meta: dict, path: Path) -> tuple[dict, dict]:
         rope_scaling = llama3_rope_scaling(dequantize(t.data, t.tensor_type).reshape(-1), rope_theta, head_dim, path)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
+    if arch == "gemma3":
+        _gemma3_config(meta, config, path)
 
     generation_config = {}
     for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
@@ -303,6 +352,93 @@ def _build_configs(reader, meta: dict, path: Path) -> tuple[dict, dict]:
     if len(stop_ids) > 1:
         generation_config["eos_token_id"] = stop_ids
     return config, generation_config
+
+
+def _is_moe(meta: dict) -> bool:
+    return bool(meta.get(f"{meta['general.architecture']}.expert_count", 0))
+
+
+def _moe_config(meta: dict, arch: str, tensors: dict, config: dict, path: Path) -> dict:
+    """The HF config fields of a qwen2moe / qwen3moe / llama-MoE (Mixtral) file. As llama.cpp runs
+    them: softmax gating, top-k weights renormalized for qwen3moe and llama (Mixtral) and not for
+    qwen2moe (its build_moe_ffn's norm_w), no weight scale; a Qwen layer without a router
+    (ffn_gate_inp) is a dense MLP (``mlp_only_layers``), a Mixtral one is refused."""
+    def need(key: str):
+        if f"{arch}.{key}" not in meta:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return int(meta[f"{arch}.{key}"])
+
+    scale = meta.get(f"{arch}.expert_weights_scale")
+    if scale not in (None, 0, 0.0, 1, 1.0):
+        raise ModelLoadError(f"{path}: {arch}.expert_weights_scale={scale} is not supported (supported: 1)")
+    gating = meta.get(f"{arch}.expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ModelLoadError(f"{path}: {arch}.expert_gating_func={gating} is not supported (supported: 1, softmax)")
+    n_layers = config["num_hidden_layers"]
+    dense = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    if arch == "llama":  # Mixtral: every layer sparse, experts as wide as feed_forward_length
+        if dense:
+            raise ModelLoadError(f"{path}: llama mixture-of-experts layer {dense[0]} has no ffn_gate_inp (router); "
+                                 "every Mixtral layer is sparse")
+        return {"num_local_experts": need("expert_count"), "num_experts_per_tok": need("expert_used_count"),
+                "sliding_window": None}
+    out = {
+        "num_experts": need("expert_count"),
+        "num_experts_per_tok": need("expert_used_count"),
+        "moe_intermediate_size": need("expert_feed_forward_length"),
+        "norm_topk_prob": arch == "qwen3moe",
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+    }
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = need("expert_shared_feed_forward_length")
+        out["qkv_bias"] = config["attention_bias"]
+        out["attention_bias"] = False
+    return out
+
+
+class _ExpertSlice:
+    """One expert's [n, k] slice of a 3-D GGUF expert tensor, read like a GGUF tensor (``name``,
+    ``tensor_type``, ``data``: the slice of the memmap, its quantized blocks as they are)."""
+
+    def __init__(self, t, e: int):
+        self.name, self.tensor_type, self.data = f"{t.name}[{e}]", t.tensor_type, t.data[e]
+
+
+def _gemma3_config(meta: dict, config: dict, path: Path) -> None:
+    """The Gemma 3 fields of ``config``, as llama.cpp reads the file (src/models/gemma3.cpp): local layers
+    only with ``attention.sliding_window``, chosen by ``attention.sliding_window_pattern`` (a per-layer
+    array, or a period n whose last layer is global; 6 when absent); ``rope.freq_base`` and the rope
+    scaling for global layers, ``rope.freq_base_swa`` (10000 when absent) unscaled for local ones; the
+    softmax scale 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 62-layer (27B) model, since the
+    file does not record query_pre_attn_scalar."""
+    a, n_layers = "gemma3", config["num_hidden_layers"]
+    window = int(meta.get(f"{a}.attention.sliding_window", 0) or 0)
+    pattern = meta.get(f"{a}.attention.sliding_window_pattern", 6)
+    if window <= 0:
+        local = [False] * n_layers
+    elif isinstance(pattern, list):
+        if len(pattern) != n_layers:
+            raise ModelLoadError(f"{path}: {a}.attention.sliding_window_pattern has {len(pattern)} entries for "
+                                 f"{n_layers} layers")
+        local = [bool(x) for x in pattern]
+    else:
+        n = int(pattern)
+        local = [n == 0 or i % n < n - 1 for i in range(n_layers)]
+    config.pop("hidden_act")
+    config["hidden_activation"] = "gelu_pytorch_tanh"
+    config["layer_types"] = ["sliding_attention" if x else "full_attention" for x in local]
+    config["sliding_window"] = window if any(local) else None
+    full = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+    full.update(config.pop("rope_scaling", None) or {})
+    local_theta = _f32(meta.get(f"{a}.rope.freq_base_swa", 10000.0))
+    config["rope_parameters"] = {"full_attention": full,
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
+    config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"] if n_layers == 62
+                                       else config["head_dim"])
+    cap = meta.get(f"{a}.final_logit_softcapping")
+    config["final_logit_softcapping"] = _f32(cap) if cap else None
+    config["attn_logit_softcapping"] = None
 
 
 def _rope_scaling(meta: dict, arch: str) -> dict | None:
@@ -367,17 +503,29 @@ def llama3_freq_factors(scaling: dict, rope_theta: float, head_dim: int) -> np.n
 def _tensor_plan(reader, meta: dict, config: dict, path: Path):
     """(GGUF tensor, HF name, HF shape, heads whose q/k rows to un-permute or None) per weight."""
     arch = meta["general.architecture"]
+    layer_tensors = _LAYER_TENSORS_OF.get(arch, _LAYER_TENSORS)
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # folded into config["rope_scaling"]
+        parts = t.name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in _EXPERT_TENSORS and _is_moe(meta):
+            shape = tuple(int(d) for d in reversed(t.shape))  # [experts, n, k]
+            if len(shape) != 3:
+                raise ModelLoadError(f"{path}: tensor {t.name!r} has shape {shape}, expected 3-D [experts, n, k]")
+            for e in range(shape[0]):
+                yield (_ExpertSlice(t, e), f"model.layers.{int(parts[1])}.mlp.experts.{e}.{_EXPERT_TENSORS[parts[2]]}",
+                       shape[1:], None)
+            continue
         if t.name in _GLOBAL_TENSORS:
             hf_name = _GLOBAL_TENSORS[t.name]
         else:
             parts = t.name.split(".", 2)
-            if len(parts) != 3 or parts[0] != "blk" or parts[2] not in _LAYER_TENSORS:
+            if len(parts) != 3 or parts[0] != "blk" or parts[2] not in layer_tensors:
                 raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for architecture {arch!r}")
-            hf_name = f"model.layers.{int(parts[1])}.{_LAYER_TENSORS[parts[2]]}"
+            hf_name = f"model.layers.{int(parts[1])}.{layer_tensors[parts[2]]}"
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (the fastest dim) first
+        if hf_name.endswith(".shared_expert_gate.weight") and len(shape) == 1:
+            shape = (1, shape[0])  # llama.cpp stores the [1, hidden] gate as a vector
         n_heads = None
         if arch == "llama" and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
             n_heads = config["num_attention_heads" if ".attn_q." in t.name else "num_key_value_heads"]
@@ -389,9 +537,12 @@ def _hf_tensors(reader, meta: dict, config: dict, path: Path):
     from gguf.quants import dequantize
 
     out = []
+    shift = _NORM_SHIFT.get(meta["general.architecture"], 0.0)
     for t, hf_name, shape, n_heads in _tensor_plan(reader, meta, config, path):
-        def load(t=t, shape=shape, n_heads=n_heads):
+        def load(t=t, shape=shape, n_heads=n_heads, hf_name=hf_name):
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+            if shift and hf_name.endswith("norm.weight"):  # HF's form, w; the stored 1 + w rounds back within an ulp
+                w = w - np.float32(shift)
             return w if n_heads is None else _unpermute_rows(w, n_heads)
 
         out.append((hf_name, shape, load))
@@ -476,6 +627,7 @@ class GGUFSource:
         self.hf_config = hf_config or config
         self.plan = list(_tensor_plan(self.reader, self.meta, config, self.path))
         self.keep, self.float_from = tuple(keep), float_from
+        self.norm_shift = _NORM_SHIFT.get(self.meta["general.architecture"], 0.0)
 
     def close(self) -> None:
         """Drop the reader once the weights are loaded: its memmap's pages (the file read once over)
@@ -499,7 +651,7 @@ class GGUFSource:
     def weights(self, wants_quantized=lambda name: False):
         import torch
 
-        from appliance.layers.weight_loading import QuantizedWeight
+        from appliance.layers.weight_loading import QuantizedWeight, ShiftedWeight
 
         quantized = {hf for t, hf, shape, _ in self.plan if self._kept(t, hf, shape) and wants_quantized(hf)}
         if self.float_from is not None:  # the float copies of quantized layers are never read
@@ -517,6 +669,8 @@ class GGUFSource:
                 with warnings.catch_warnings():  # an F32 tensor is the read-only memmap itself: only read
                     warnings.simplefilter("ignore", UserWarning)
                     tensor = torch.from_numpy(w)
+                if self.norm_shift and hf.endswith("norm.weight"):
+                    tensor = ShiftedWeight(tensor, self.norm_shift)
                 yield self.path, hf, tensor
 
     def _float(self, t, shape, n_heads) -> np.ndarray:

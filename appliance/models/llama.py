@@ -1,5 +1,7 @@
-"""The Llama family as plain PyTorch: Llama 2/3.x (and SmolLM2), Mistral, Qwen2 (q/k/v bias) and
-Qwen3 (per-head q/k RMSNorm). One module, switched by a few architecture facts.
+"""The Llama family as plain PyTorch: Llama 2/3.x (and SmolLM2), Mistral, Qwen2 (q/k/v bias),
+Qwen3 (per-head q/k RMSNorm) and Phi-3/3.5/4-mini (checkpoints hold q/k/v and gate/up fused, which
+load whole into the fused projections; longrope; partial rotary). One module, switched by a few
+architecture facts.
 
 Tokens are packed: ``input_ids`` and ``positions`` are ``[num_tokens]`` for the whole step; the
 attention layer reads the batch layout from the forward context.
@@ -11,11 +13,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from appliance.layers.attention import Attention
+from appliance.layers.attention import Attention, layer_sliding_windows
 from appliance.layers.linear import Linear
 from appliance.layers.norm import RMSNorm
-from appliance.layers.rotary import build_inv_freq
+from appliance.layers.rotary import build_inv_freq, cos_sin_cache, rope_parameters, rotary_dim
 from appliance.layers.vocab import VocabEmbedding, tied_lm_head
+from appliance.models.config_checks import check_config
 
 
 @dataclass(frozen=True)
@@ -24,13 +27,19 @@ class ArchSpec:
 
     qkv_bias: bool = False
     qk_norm: bool = False
+    partial_rotary: bool = False  # rotates the first partial_rotary_factor of each head (transformers does)
+    rope_aliases: tuple[tuple[str, str], ...] = ()  # old rope_type names the config class renames
+    # reads the config's sliding-window fields (transformers' Llama has none and ignores them)
+    sliding_window: bool = True
 
 
 ARCHS = {
-    "LlamaForCausalLM": ArchSpec(),
+    "LlamaForCausalLM": ArchSpec(sliding_window=False),
     "MistralForCausalLM": ArchSpec(),
     "Qwen2ForCausalLM": ArchSpec(qkv_bias=True),
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
+    # Phi3Config renames "su" and "yarn" to "longrope"; Phi-3 never has q/k/v or MLP biases.
+    "Phi3ForCausalLM": ArchSpec(partial_rotary=True, rope_aliases=(("su", "longrope"), ("yarn", "longrope"))),
 }
 
 
@@ -51,12 +60,17 @@ class LlamaConfig:
     qkv_bias: bool
     qk_norm: bool
     mlp_bias: bool = False
+    rotary_dim: int = 0  # 0: head_dim
+    # per layer: its attention's sliding window, None for full attention (layer_sliding_windows)
+    sliding_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_hf(cls, hf: dict, arch: ArchSpec) -> "LlamaConfig":
         heads = hf["num_attention_heads"]
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope = rope_parameters(hf, dict(arch.rope_aliases))
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        rot = rotary_dim(head_dim, rope)
+        check_config(hf, rope=rope, rotary_dim=rot, activations=("silu", "swish"), partial_rotary=arch.partial_rotary)
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -64,15 +78,18 @@ class LlamaConfig:
             num_hidden_layers=hf["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=rope or None,
+            rope_theta=float(rope["rope_theta"]),
+            rope_scaling=rope,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=arch.qkv_bias or bool(hf.get("attention_bias", False)),
             qk_norm=arch.qk_norm,
             mlp_bias=bool(hf.get("mlp_bias", False)),
+            rotary_dim=rot,
+            sliding_windows=tuple(layer_sliding_windows(hf, hf["num_hidden_layers"]) if arch.sliding_window
+                                  else [None] * hf["num_hidden_layers"]),
         )
 
 
@@ -80,10 +97,10 @@ class Rotary:
     """cos/sin cache as a plain tensor (not a buffer) so meta-device construction leaves it intact."""
 
     def __init__(self, cfg: LlamaConfig, max_position: int, device: torch.device):
-        inv_freq, _ = build_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        self.cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+        # max_position is the engine's max_model_len: it also fixes longrope's factor set
+        inv_freq, attention_factor = build_inv_freq(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                                    cfg.max_position_embeddings, max_position)
+        self.cos_sin_cache = cos_sin_cache(inv_freq, attention_factor, max_position).to(device)
 
 
 class SelfAttention(nn.Module):
@@ -102,7 +119,8 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, layer_idx)
+        window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, layer_idx, sliding_window=window)
 
     def forward(self, ops, rotary: Rotary, positions, x):
         t = x.shape[0]
@@ -222,8 +240,9 @@ class LlamaForCausalLM(nn.Module):
         flat, kinds = plan[1]
         cfg, md = self.config, ctx.attn
         scale = self.model.layers[0].self_attn.attn.scale
+        windows = [layer.self_attn.attn.sliding_window for layer in self.model.layers]
         return lambda x, positions: ops.llama_layers(
-            x, positions, flat, kinds, self.model.norm.weight, cfg.rms_norm_eps, cfg.num_attention_heads,
+            x, positions, flat, kinds, windows, self.model.norm.weight, cfg.rms_norm_eps, cfg.num_attention_heads,
             cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, scale, self.rotary.cos_sin_cache,
             md.slot_mapping, md.block_table, md.seq_lens, md.query_start_loc)
 
@@ -279,3 +298,7 @@ class LlamaForCausalLM(nn.Module):
             if f".mlp.{shard}." in name:
                 return name.replace(f".{shard}.", ".gate_up_proj."), shard
         return name, None
+
+
+def build(architecture: str, hf_config: dict) -> LlamaForCausalLM:
+    return LlamaForCausalLM(LlamaConfig.from_hf(hf_config, ARCHS[architecture]))

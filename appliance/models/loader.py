@@ -65,7 +65,17 @@ def _eos_ids(path: Path, hf: dict) -> tuple[int, ...]:
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{gen}: not valid JSON ({e})") from e
     add(hf.get("eos_token_id"))
+    add(_text_config(hf).get("eos_token_id"))
     return tuple(ids)
+
+
+def _text_config(hf: dict) -> dict:
+    """The text model's config: ``text_config`` of a multimodal checkpoint (Gemma 3), else the config."""
+    return hf["text_config"] if isinstance(hf.get("text_config"), dict) else hf
+
+
+def _max_position(hf: dict) -> int:
+    return int(hf.get("max_position_embeddings") or _text_config(hf).get("max_position_embeddings", 2048))
 
 
 def model_info(path: Path) -> ModelInfo:
@@ -82,7 +92,7 @@ def model_info(path: Path) -> ModelInfo:
                          int(hf.get("max_position_embeddings", 2048)))
     hf = read_config(path)
     arch = resolve_architecture(hf, path / "config.json")
-    return ModelInfo(path, arch, hf, _eos_ids(path, hf), int(hf.get("max_position_embeddings", 2048)))
+    return ModelInfo(path, arch, hf, _eos_ids(path, hf), _max_position(hf))
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -214,7 +224,8 @@ def build_model_for(info: ModelInfo, source, device: torch.device) -> torch.nn.M
             if not isinstance(mod, Linear) or not qlayers:
                 continue
             parent, _, leaf = name.rpartition(".")
-            parts = [f"{parent}.{s}.weight" for s in mod.shards] or [f"{name}.weight"]
+            whole = f"{name}.weight"  # a fused layer the checkpoint stores fused (Phi-3) or by shard
+            parts = [whole] if whole in qlayers else [f"{parent}.{s}.weight" for s in mod.shards] or [whole]
             kinds = {qlayers.get(p) for p in parts}
             if len(kinds) != 1 or None in kinds:
                 continue
@@ -269,8 +280,10 @@ def load_weights(model: torch.nn.Module, source, architecture: str = "") -> None
         except AttributeError:
             return False
 
-    for f, name, value in source.weights(wants_quantized):
-        if "rotary_emb.inv_freq" in name:
+    split = getattr(model, "split_checkpoint_tensor", None)  # one checkpoint tensor -> several (MoE 3-D experts)
+    ignored = getattr(model, "ignored_weight", lambda name: False)  # e.g. a multimodal checkpoint's vision tower
+    for f, name, value in _split_all(source.weights(wants_quantized), split):
+        if "rotary_emb.inv_freq" in name or ignored(name):
             continue
         if name == "lm_head.weight" and not any(p.startswith("lm_head.") for p in params):
             continue  # tied embeddings: the checkpoint may still carry a copy
@@ -290,6 +303,21 @@ def load_weights(model: torch.nn.Module, source, architecture: str = "") -> None
             raise ModelLoadError(f"{f}: tensor {name!r} {e} (from the model's config)") from e
         loaded.setdefault(pname, set()).add(shard)
     check_complete(model, params, loaded, source.path)
+
+
+def _split_all(weights, split):
+    """The source's (file, name, value) stream, each tensor through the model's
+    ``split_checkpoint_tensor(name, value)`` when it has one (a fused 3-D MoE expert tensor becomes
+    one tensor per expert); its errors get the file's name."""
+    for f, name, value in weights:
+        if split is None:
+            yield f, name, value
+            continue
+        try:
+            for n, v in split(name, value):
+                yield f, n, v
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{f}: {e}") from e
 
 
 def process_weights_after_loading(model: torch.nn.Module, quantization: str, group_size: int,
@@ -335,8 +363,10 @@ def check_complete(model, params, loaded: dict[str, set], path: Path, optional=l
             if loaded.get(pname_q):
                 continue
         shards = getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "shards", None)
-        want = set(shards) if shards else {None}
-        if not want <= loaded.get(pname, set()) and not optional(pname):
+        got = loaded.get(pname, set())
+        # a fused weight is filled by all its shards, or whole (Phi-3 stores qkv_proj, gate_up_proj)
+        want = set(shards) if shards and None not in got else {None}
+        if not want <= got and not optional(pname):
             missing.append(pname)
     if missing:
         raise ModelLoadError(f"{path}: checkpoint lacks tensors for {', '.join(missing[:5])}"

@@ -6,13 +6,22 @@ from pathlib import Path
 from torch import nn
 
 from appliance.errors import ModelLoadError
-from appliance.models import llama
+from appliance.models import gemma, llama, moe
 
-_REGISTRY = {name: llama for name in llama.ARCHS}
+# each family module names its architectures (ARCHS) and builds a model from an HF config (build)
+_FAMILIES = (llama, gemma, moe)
+_REGISTRY = {name: mod for mod in _FAMILIES for name in mod.ARCHS}
 
 
 def supported_architectures() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def turn_end_tokens(architecture: str) -> tuple[str, ...]:
+    """Tokens (by text) that end a chat turn in this family and stop generation like EOS, whether or not
+    the checkpoint's generation_config lists them (Gemma's ``<end_of_turn>``): the family module's
+    ``TURN_END_TOKENS``."""
+    return tuple(getattr(_REGISTRY.get(architecture), "TURN_END_TOKENS", ()))
 
 
 def resolve_architecture(hf_config: dict, source: Path) -> str:
@@ -26,6 +35,4 @@ def resolve_architecture(hf_config: dict, source: Path) -> str:
 
 
 def build_model(architecture: str, hf_config: dict) -> nn.Module:
-    mod = _REGISTRY[architecture]
-    cfg = mod.LlamaConfig.from_hf(hf_config, mod.ARCHS[architecture])
-    return mod.LlamaForCausalLM(cfg)
+    return _REGISTRY[architecture].build(architecture, hf_config)

@@ -303,8 +303,11 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     max_query_len: int | None = None,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its whole paged context (see
+    """Causal attention of each sequence's new queries over its paged context, optionally within a
+    sliding window of ``sliding_window`` keys and with soft-capped scores (see
     ``reference.paged_attention``). ``[num_tokens, num_heads, head_size]`` in query's dtype."""
     head_size = query.shape[-1]
     if (
@@ -319,7 +322,8 @@ def paged_attention(
         or not value_cache.is_contiguous()
     ):
         return reference.paged_attention(
-            query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, max_query_len
+            query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, max_query_len,
+            sliding_window, logits_soft_cap,
         )
     if query.stride(-1) != 1:
         query = query.contiguous()
@@ -330,7 +334,7 @@ def paged_attention(
     _ext.paged_attention(
         query, key_cache, value_cache, bt,
         seq_lens.to(torch.int32).contiguous(), query_start_loc.to(torch.int32).contiguous(),
-        float(scale), out,
+        float(scale), out, int(sliding_window), float(logits_soft_cap),
     )
     return out
 
@@ -414,6 +418,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """``gelu(x[..., :d]) * x[..., d:]`` (see ``reference.gelu_and_mul``). No kernel of its own yet: torch's
+    CPU GELU is vectorized already, and the GeGLU models (Gemma) spend their time in the GEMMs."""
+    return reference.gelu_and_mul(x, approximate)
+
+
 def gemm_w8g_a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, wsum: torch.Tensor, n: int, group: int,
                 has_m128: bool) -> torch.Tensor:
     """W8A8 with group-wise weight scales: x [M, K] float32 -> [M, n] float32, over weights packed by
@@ -451,14 +461,15 @@ def gemm_f32(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None, n: in
 
 
 def llama_layers(embeds: torch.Tensor, positions: torch.Tensor, layers: list[torch.Tensor], kinds: list[int],
-                 final_norm_w: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
+                 windows: list[int], final_norm_w: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
                  intermediate: int, scale: float, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
     """Every decoder layer of a Llama-family model and its final norm in one native call (see
     ``llama_layers`` in native/neon_sve/bindings/torch_bindings.cpp for the 26 tensors per layer;
     ``kinds``: the ``LinearKind`` and 3 ints of its q/k/v, o, gate/up and down projections, from their linear
-    methods' ``fused_descriptor``, appliance/layers/methods)."""
-    return _require().llama_layers(embeds, positions, layers, kinds, final_norm_w, float(eps), num_heads,
+    methods' ``fused_descriptor``, appliance/layers/methods; ``windows``: each layer's sliding window,
+    0 for full attention)."""
+    return _require().llama_layers(embeds, positions, layers, kinds, windows, final_norm_w, float(eps), num_heads,
                                    num_kv_heads, head_dim, intermediate, float(scale), cos_sin, slot_mapping,
                                    block_table, seq_lens, query_start_loc)
 

@@ -8,7 +8,8 @@ kernel wants to stream through.
 Batch layout for attention (vLLM's "varlen" convention): the step's tokens are packed, sequence
 after sequence; ``query_start_loc[b]:query_start_loc[b+1]`` are sequence b's new tokens and
 ``seq_lens[b]`` its total context length *including* them, so query i of sequence b sits at
-position ``seq_lens[b] - q_len_b + i`` and attends to positions ``0..that position``.
+position ``seq_lens[b] - q_len_b + i`` and attends to positions ``0..that position`` (with a sliding
+window W, only to the last W of them: see ``paged_attention``).
 """
 from __future__ import annotations
 
@@ -57,12 +58,24 @@ def paged_attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
     max_query_len: int | None = None,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its whole paged context.
+    """Causal attention of each sequence's new queries over its paged context.
 
     The new tokens' K/V must already be in the cache (``reshape_and_cache`` first).
+    ``sliding_window=W > 0``: the query at position p attends keys at positions ``p-W+1 .. p`` only
+    (W keys, itself included), as transformers' sliding-window mask (``kv_idx > q_idx - W``).
+    Blocks wholly before every window of a sequence are never read, so their ``block_table``
+    entries may be placeholders (the engine frees such blocks).
+    ``logits_soft_cap=c > 0``: scores (after ``* scale``) become ``c * tanh(scores / c)`` before the
+    mask and softmax (Gemma 2's ``attn_logit_softcapping``). 0 turns either off.
     Returns ``[num_tokens, num_heads, head_size]`` in ``query``'s dtype. Math in float32.
     """
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window must be >= 0 (0: off), got {sliding_window}")
+    if logits_soft_cap < 0:
+        raise ValueError(f"logits_soft_cap must be >= 0 (0: off), got {logits_soft_cap}")
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -74,18 +87,36 @@ def paged_attention(
     if max_query_len is None:
         max_query_len = max(q_lens, default=0)
 
+    def first_block(ctx: int, q_len: int) -> int:
+        # the block holding the first key the sequence's first new query can see
+        return max(0, ctx - q_len - sliding_window + 1) // block_size if sliding_window > 0 else 0
+
+    def cap(scores: torch.Tensor) -> torch.Tensor:
+        return scores.div_(logits_soft_cap).tanh_().mul_(logits_soft_cap) if logits_soft_cap > 0 else scores
+
     decode = [i for i in range(num_seqs) if q_lens[i] == 1]
     if max_query_len == 1 and decode:
         # All-decode batch: one padded, vectorized gather + two batched matmuls.
         max_len = max(lens)
         nb = (max_len + block_size - 1) // block_size
-        bt = block_table[:, :nb].long()
-        k = key_cache[bt].permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, nb * block_size, head_size)
-        v = value_cache[bt].permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, nb * block_size, head_size)
+        lo = min(first_block(lens[i], 1) for i in range(num_seqs))
+        bt = block_table[:, lo:nb].long()
+        if sliding_window > 0:
+            # a sequence's entries before its own first block may be placeholders: read its
+            # first block there instead (masked below, and always a valid block id)
+            first = torch.tensor([first_block(lens[i], 1) - lo for i in range(num_seqs)], device=bt.device)
+            cols = torch.arange(nb - lo, device=bt.device)
+            bt = torch.where(cols[None, :] < first[:, None], bt.gather(1, first[:, None]), bt)
+        n = (nb - lo) * block_size
+        k = key_cache[bt].permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, n, head_size)
+        v = value_cache[bt].permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, n, head_size)
         q = query[qsl[0]:qsl[-1]].float().view(num_seqs, num_kv_heads, group, head_size)
-        scores = torch.matmul(q, k.float().transpose(-1, -2)) * scale  # [B, Hkv, G, L]
-        pos = torch.arange(nb * block_size, device=query.device)
-        mask = pos[None, :] >= seq_lens.to(query.device).long()[:, None]  # [B, L]
+        scores = cap(torch.matmul(q, k.float().transpose(-1, -2)) * scale)  # [B, Hkv, G, L]
+        pos = torch.arange(lo * block_size, nb * block_size, device=query.device)
+        lens_t = seq_lens.to(query.device).long()[:, None]
+        mask = pos[None, :] >= lens_t  # [B, L]
+        if sliding_window > 0:
+            mask |= pos[None, :] < lens_t - sliding_window
         scores.masked_fill_(mask[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.matmul(probs, v.float())  # [B, Hkv, G, D]
@@ -97,15 +128,20 @@ def paged_attention(
         if q_len == 0:
             continue
         nb = (ctx + block_size - 1) // block_size
-        ids = block_table[i, :nb].long()
-        k = _gather_context(key_cache, ids, ctx).float()  # [Hkv, ctx, D]
-        v = _gather_context(value_cache, ids, ctx).float()
+        fb = first_block(ctx, q_len)
+        start = fb * block_size
+        ids = block_table[i, fb:nb].long()
+        k = _gather_context(key_cache, ids, ctx - start).float()  # [Hkv, ctx - start, D]
+        v = _gather_context(value_cache, ids, ctx - start).float()
         q = query[qsl[i]:qsl[i + 1]].float().permute(1, 0, 2)  # [H, q_len, D]
         q = q.reshape(num_kv_heads, group * q_len, head_size)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [Hkv, G*q_len, ctx]
+        scores = cap(torch.matmul(q, k.transpose(-1, -2)) * scale)  # [Hkv, G*q_len, ctx - start]
         q_pos = torch.arange(ctx - q_len, ctx, device=query.device).repeat(group)
-        k_pos = torch.arange(ctx, device=query.device)
-        scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        k_pos = torch.arange(start, ctx, device=query.device)
+        mask = k_pos[None, :] > q_pos[:, None]
+        if sliding_window > 0:
+            mask |= k_pos[None, :] <= q_pos[:, None] - sliding_window
+        scores.masked_fill_(mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.matmul(probs, v).view(num_heads, q_len, head_size).permute(1, 0, 2)
         out[qsl[i]:qsl[i + 1]] = o.to(query.dtype)
@@ -164,6 +200,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :d]) * x[..., d:]`` where the last dim is ``2d``."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """``gelu(x[..., :d]) * x[..., d:]`` (GeGLU) where the last dim is ``2d``; ``approximate``:
+    ``tanh`` (Gemma's ``gelu_pytorch_tanh``) or ``none`` (the exact erf GELU)."""
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate=approximate) * x[..., d:]
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -244,12 +244,14 @@ def test_unsupported_architecture(tmp_path):
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     _finish(w)
-    _assert_load_error(path, tmp_path / "out", "unsupported GGUF architecture 'gpt2'; supported: llama, qwen2, qwen3")
+    _assert_load_error(path, tmp_path / "out", "unsupported GGUF architecture 'gpt2'; supported: llama, qwen2, qwen3, gemma3")
 
 
-def test_moe_llama_is_refused(tmp_path):
-    path = tmp_path / "mixtral.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
+def test_moe_of_a_dense_architecture_is_refused(tmp_path):
+    # llama (Mixtral), qwen2moe and qwen3moe files load their experts (tests/model/test_moe.py); a
+    # qwen2 file with experts names no MoE layout the engine knows
+    path = tmp_path / "qwen2-moe.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen2")
     w.add_expert_count(8)
     w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     _finish(w)
@@ -294,7 +296,7 @@ def smollm_vocab(gguf_path):
             "token_type": reader.fields["tokenizer.ggml.token_type"].contents()[:2048]}
 
 
-def _write_tiny(path: Path, arch: str, vocab: dict, rng) -> dict[str, np.ndarray]:
+def _write_tiny(path: Path, arch: str, vocab: dict, rng, sliding_window: int | None = None) -> dict[str, np.ndarray]:
     """A 2-layer float32 GGUF with GQA and an untied lm_head; returns its weights in HF layout."""
     hidden, n_head, n_kv, ffn, n_vocab = 32, 4, 2, 48, len(vocab["tokens"])
     head_dim = {"llama": 16, "qwen2": 8, "qwen3": 128}[arch]  # != hidden / n_head except for qwen2
@@ -308,6 +310,8 @@ def _write_tiny(path: Path, arch: str, vocab: dict, rng) -> dict[str, np.ndarray
     w.add_head_count_kv(n_kv)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
+    if sliding_window is not None:
+        w.add_sliding_window(sliding_window)
     if arch == "qwen3":  # head_dim != hidden / n_head, as in Qwen3-0.6B
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -372,6 +376,25 @@ def test_tiny_architectures_match_transformers(tmp_path, arch, smollm_vocab):
     with torch.no_grad():
         a, b = model(ids).logits[0, -1], ref(ids).logits[0, -1]
     assert (a - b).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("arch,model_type", [("llama", "mistral"), ("qwen2", "qwen2")])
+def test_sliding_window_metadata_is_honoured(tmp_path, arch, model_type, smollm_vocab):
+    """llama.cpp runs a window when the file records <arch>.attention.sliding_window: so do we, on every
+    layer (a "llama" file becomes Mistral, whose transformers class honours the window)."""
+    from appliance.layers.attention import layer_sliding_windows
+    from appliance.models.registry import build_model
+
+    path = tmp_path / f"tiny-{arch}-swa.gguf"
+    _write_tiny(path, arch, smollm_vocab, np.random.default_rng(0), sliding_window=8)
+    out = gguf_loader.convert_gguf_to_hf(path, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == model_type and config["sliding_window"] == 8
+    assert layer_sliding_windows(config, 2) == [8, 8]
+    model = build_model(config["architectures"][0], config)
+    assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [8, 8]
+    # transformers reads the converted directory with the window on too
+    assert AutoModelForCausalLM.from_pretrained(str(out)).config.sliding_window == 8
 
 
 # ---- llama3 rope scaling recovered from llama.cpp's rope_freqs tensor ------------------------

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from appliance.engine.block_pool import BlockPool, hash_block
+from appliance.engine.block_pool import NULL_BLOCK, BlockPool, hash_block
 from appliance.engine.kv_cache_manager import KVCacheManager
 from appliance.engine.request import Request
 from appliance.sampling_params import SamplingParams
@@ -114,10 +114,47 @@ def test_allocate_is_all_or_nothing():
     kv.pool.check([a.block_ids])
 
 
+def test_blocks_out_of_every_window_are_released_and_stay_cached():
+    kv = KVCacheManager(10, 4, sliding_window=6)
+    tokens = list(range(20))
+    a = req("a", tokens)
+    assert kv.allocate_slots(a, 20)
+    a.num_computed_tokens = 18
+    assert a.block_ids == [0, 1, 2, 3, 4]
+    # the next query (position 18) sees 13..18: blocks 0-2 (positions 0..11) are done with
+    assert kv.free_out_of_window(a) == 3
+    assert a.block_ids == [NULL_BLOCK] * 3 + [3, 4]
+    assert [b.block_id for b in kv.pool.free_queue] == [5, 6, 7, 8, 9, 2, 1, 0]  # latest first
+    kv.pool.check([a.block_ids])
+    assert kv.free_out_of_window(a) == 0  # nothing new
+    a.num_computed_tokens = 20
+    assert kv.free_out_of_window(a) == 0  # 15..20: block 3 (12..15) still visible
+    a.num_computed_tokens = 21
+    assert kv.free_out_of_window(a) == 1 and a.block_ids == [NULL_BLOCK] * 4 + [4]
+    kv.pool.check([a.block_ids])
+    # released blocks keep their hashes: the same prompt hits all four full blocks
+    blocks, _ = kv.get_computed_blocks(req("b", tokens))
+    assert [b.block_id for b in blocks] == [0, 1, 2, 3]
+    kv.free(a)  # only block 4 is still held
+    assert kv.pool.num_free_blocks == 10
+    kv.pool.check([])
+
+
+def test_no_release_without_a_window_on_every_layer():
+    kv = KVCacheManager(10, 4, sliding_window=None)
+    a = req("a", list(range(20)))
+    assert kv.allocate_slots(a, 20)
+    a.num_computed_tokens = 20
+    assert kv.free_out_of_window(a) == 0 and a.block_ids == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="sliding_window must be >= 1 or None, got 0"):
+        KVCacheManager(10, 4, sliding_window=0)
+
+
+@pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("seed", range(5))
-def test_randomized_workload_keeps_integrity(seed):
+def test_randomized_workload_keeps_integrity(seed, window):
     rng = random.Random(seed)
-    kv = KVCacheManager(24, 4)
+    kv = KVCacheManager(24, 4, sliding_window=window)
     live = {}
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(1, 12))] for _ in range(4)]
     for step in range(300):
@@ -134,6 +171,7 @@ def test_randomized_workload_keeps_integrity(seed):
                 for _ in range(rng.randrange(4)):
                     r.append_token(rng.randrange(50))
                     r.num_computed_tokens = r.num_tokens - 1
+                    kv.free_out_of_window(r)
                     if not kv.allocate_slots(r, 1):
                         break
                     r.num_computed_tokens = r.num_tokens

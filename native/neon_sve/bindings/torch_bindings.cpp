@@ -24,8 +24,12 @@ const ak::KernelTable* K() { return ak::selected_kernels(); }
 void paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
                      const torch::Tensor& value_cache, const torch::Tensor& block_table,
                      const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
-                     double scale, torch::Tensor& out) {
+                     double scale, torch::Tensor& out, int64_t sliding_window = 0,
+                     double logits_soft_cap = 0.0) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out: [num_tokens, num_heads, head_size]");
+  TORCH_CHECK(sliding_window >= 0 && sliding_window <= INT32_MAX, "sliding_window must be in [0, 2^31), got ",
+              sliding_window);
+  TORCH_CHECK(logits_soft_cap >= 0.0, "logits_soft_cap must be >= 0, got ", logits_soft_cap);
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out: head_size dim must be contiguous");
   TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out must have query's dtype");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
@@ -66,6 +70,8 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
   a.head_size = head_size;
   a.block_size = (int)key_cache.size(2);
   a.scale = (float)scale;
+  a.sliding_window = (int)sliding_window;
+  a.logits_soft_cap = (float)logits_soft_cap;
   K()->paged_attention(a);
 }
 
@@ -245,6 +251,7 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& w, cons
 //   input_norm_w, q_norm_w, k_norm_w, post_norm_w, key_cache, value_cache, then for each of the
 //   q/k/v, o, gate/up and down projections kLinearEntries tensors: weight, bias, aux0, aux1, aux2
 // kinds: kLinearInts int64 per projection (kind, then three kind-specific ints), four per layer.
+// windows: one int64 per layer, its attention's sliding window (0: full attention).
 // A native gate/up weight is packed for the silu epilogue (its bias in the packed order); the others
 // are followed by silu_and_mul.
 // Returns the final norm of the last hidden states, [num_tokens, hidden].
@@ -254,7 +261,7 @@ constexpr size_t kLayerEntries = 6 + 4 * kLinearEntries;
 
 torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& positions,
                            const std::vector<torch::Tensor>& layers, const std::vector<int64_t>& kinds,
-                           const torch::Tensor& final_norm_w, double eps, int64_t num_heads, int64_t num_kv_heads,
+                           const std::vector<int64_t>& windows, const torch::Tensor& final_norm_w, double eps, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t intermediate, double scale, const torch::Tensor& cos_sin,
                            const torch::Tensor& slot_mapping, const torch::Tensor& block_table,
                            const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc) {
@@ -262,6 +269,7 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
               " tensors per layer, got ", layers.size());
   const size_t L = layers.size() / kLayerEntries;
   TORCH_CHECK(kinds.size() == 4 * kLinearInts * L, "llama_layers: ", 4 * kLinearInts, " ints per layer");
+  TORCH_CHECK(windows.size() == L, "llama_layers: one window per layer (", L, "), got ", windows.size());
   TORCH_CHECK(embeds.dim() == 2, "llama_layers: embeds [T, hidden]");
   dtype_of(embeds, "embeds");
   const int64_t T = embeds.size(0), hidden = embeds.size(1);
@@ -334,7 +342,7 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
     rotary_embedding(pos, k, cs, true, kr);
     reshape_and_cache(kr, v, kc, vc, slots);
     auto attn = torch::empty({T, num_heads, head_dim}, qkv.options());
-    paged_attention(qr, kc, vc, bt, sl, qsl, scale, attn);
+    paged_attention(qr, kc, vc, bt, sl, qsl, scale, attn, windows[l], 0.0);
     const auto o = linear(ki + kLinearInts, attn.view({T, q_size}), lin + kLinearEntries, hidden);
     auto hn = torch::empty_like(residual);
     fused_add_rms_norm(o, residual, p[3], eps, hn);
@@ -374,7 +382,10 @@ std::string cpu_features() { return ak::cpu_features_string(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "appliance native kernels (native/neon_sve)";
-  m.def("paged_attention", &paged_attention);
+  m.def("paged_attention", &paged_attention, pybind11::arg("query"), pybind11::arg("key_cache"),
+        pybind11::arg("value_cache"), pybind11::arg("block_table"), pybind11::arg("seq_lens"),
+        pybind11::arg("query_start_loc"), pybind11::arg("scale"), pybind11::arg("out"),
+        pybind11::arg("sliding_window") = 0, pybind11::arg("logits_soft_cap") = 0.0);
   m.def("exp_", &exp_);
   m.def("rms_norm", &rms_norm);
   m.def("fused_add_rms_norm", &fused_add_rms_norm);

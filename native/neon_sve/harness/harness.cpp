@@ -92,6 +92,8 @@ void report(bool ok, const char* variant, const std::string& what, double err) {
 struct AttnCase {
   std::vector<std::pair<int, int>> seqs;  // (q_len, ctx)
   int heads, kv_heads, head_size, block_size, kv_dtype, q_dtype;
+  int window = 0;      // AttentionArgs::sliding_window
+  float soft_cap = 0;  // AttentionArgs::logits_soft_cap
 };
 
 struct AttnData {
@@ -163,6 +165,8 @@ std::vector<float> run_attention(const KernelTable* kt, const AttnCase& c, AttnD
   a.head_size = c.head_size;
   a.block_size = c.block_size;
   a.scale = 1.f / std::sqrt((float)c.head_size);
+  a.sliding_window = c.window;
+  a.logits_soft_cap = c.soft_cap;
   kt->paged_attention(a);
   std::vector<float> r(out.size());
   for (size_t i = 0; i < r.size(); ++i) r[i] = out.get(i);
@@ -178,24 +182,26 @@ std::vector<float> naive_attention(const AttnCase& c, const AttnData& d) {
     const int q_len = c.seqs[s].first, ctx = c.seqs[s].second;
     for (int i = 0; i < q_len; ++i) {
       const int tok = d.qsl[s] + i, pos = ctx - q_len + i;
+      const int lo = c.window > 0 ? std::max(0, pos - c.window + 1) : 0;  // first visible key
       for (int h = 0; h < c.heads; ++h) {
         const int kvh = h / G;
-        std::vector<double> sc(pos + 1);
+        std::vector<double> sc(pos + 1, 0.0);
         double mx = -1e300;
-        for (int t = 0; t <= pos; ++t) {
+        for (int t = lo; t <= pos; ++t) {
           const int blk = d.bt[s * d.bt_stride + t / c.block_size];
           const size_t base = (((size_t)blk * c.kv_heads + kvh) * c.block_size + t % c.block_size) * D;
           double acc = 0;
           for (int e = 0; e < D; ++e)
             acc += (double)d.q.get(((size_t)tok * c.heads + h) * D + e) * d.kc.get(base + e);
           sc[t] = acc * scale;
+          if (c.soft_cap > 0) sc[t] = c.soft_cap * std::tanh(sc[t] / c.soft_cap);
           mx = std::max(mx, sc[t]);
         }
         double den = 0;
-        for (auto& v : sc) den += (v = std::exp(v - mx));
+        for (int t = lo; t <= pos; ++t) den += (sc[t] = std::exp(sc[t] - mx));
         for (int e = 0; e < D; ++e) {
           double acc = 0;
-          for (int t = 0; t <= pos; ++t) {
+          for (int t = lo; t <= pos; ++t) {
             const int blk = d.bt[s * d.bt_stride + t / c.block_size];
             acc += sc[t] * d.vc.get((((size_t)blk * c.kv_heads + kvh) * c.block_size + t % c.block_size) * D + e);
           }
@@ -210,7 +216,9 @@ std::vector<float> naive_attention(const AttnCase& c, const AttnData& d) {
 std::string describe(const AttnCase& c) {
   std::string s = "attn H" + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " D" +
                   std::to_string(c.head_size) + " BS" + std::to_string(c.block_size) +
-                  (c.kv_dtype == kBF16 ? " kv:bf16" : " kv:f32") + (c.q_dtype == kBF16 ? " q:bf16" : " q:f32") + " [";
+                  (c.kv_dtype == kBF16 ? " kv:bf16" : " kv:f32") + (c.q_dtype == kBF16 ? " q:bf16" : " q:f32") +
+                  (c.window ? " win" + std::to_string(c.window) : "") +
+                  (c.soft_cap > 0 ? " cap" + std::to_string((int)c.soft_cap) : "") + " [";
   for (size_t i = 0; i < c.seqs.size() && i < 4; ++i)
     s += std::to_string(c.seqs[i].first) + "/" + std::to_string(c.seqs[i].second) + " ";
   return s + "]";
@@ -236,6 +244,11 @@ void check_attention(const std::vector<const KernelTable*>& variants) {
   cases.push_back({mixed, 4, 2, 80, 7, kF32, kF32});
   cases.push_back({{{1, 9}, {3, 40}}, 4, 4, 16, 1, kBF16, kF32});
   cases.push_back({{{5, 5}, {1, 33}}, 4, 2, 48, 32, kF32, kBF16});
+  // sliding window (blocks before it skipped) and soft-capped scores, decode and chunked prefill
+  for (int kvdt : {kF32, kBF16}) {
+    cases.push_back({decode, 8, 2, 64, 16, kvdt, kF32, 40, 0.f});
+    cases.push_back({mixed, 8, 2, 64, 7, kvdt, kF32, 13, 5.f});
+  }
   uint64_t seed = 1;
   for (const AttnCase& c : cases) {
     AttnData d(c, seed++);

@@ -37,6 +37,13 @@ struct AttentionArgs {
   int head_size;   // multiple of 16
   int block_size;  // any >= 1
   float scale;
+  // 0: off. W > 0: the query at position p attends keys at positions p-W+1 .. p only (W keys,
+  // itself included; transformers' sliding-window mask). Blocks wholly before a tile's window
+  // are never read, so their block_table entries may be placeholders.
+  int sliding_window;
+  // 0: off. c > 0: scores (after * scale) become c * tanh(scores / c) before the mask and
+  // softmax (Gemma 2's attn_logit_softcapping).
+  float logits_soft_cap;
 };
 
 // W8A8 GEMM with group-wise weight scales (gemm_w8g_a8). Weights are prepacked once
@@ -65,7 +72,8 @@ struct W8GArgs {
 
 struct KernelTable {
   const char* name;
-  // Causal paged attention, semantics of reference.paged_attention.
+  // Causal paged attention (optionally windowed, soft-capped), semantics of
+  // reference.paged_attention.
   void (*paged_attention)(const AttentionArgs& a);
   // x[i] = exp(x[i]) with the variant's vectorized polynomial (exposed to test its error bound).
   void (*exp_inplace)(float* x, int64_t n);

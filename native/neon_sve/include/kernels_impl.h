@@ -28,6 +28,11 @@
 // under two items per thread) whose partial softmax states (max, sum, unnormalized accumulator)
 // are merged afterwards. Both loops use static scheduling. Within an item the context is walked
 // in chunks of ~32 KiB of K (several blocks), one online-softmax step per chunk.
+// Sliding window (AttentionArgs::sliding_window = W): an item's context starts at the block holding
+// its first query's first visible key (position - W + 1), so blocks before every window of the
+// item are never read (nor their block_table entries); within the item each row masks the keys
+// before its own window. A row may see nothing in a chunk (its max stays -inf, sum 0): the online
+// softmax and the partition merge skip such chunks/partials.
 
 namespace impl {
 
@@ -74,7 +79,7 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
   const int Mh = nq * G;
   const int M = nh * Mh;
   const int W = chunk_blocks_for(BS, D, sizeof(KT)) * BS;
-  // Workspace: Q [cap*D] | qpack [(cap + 2*nh)*D] | acc [cap*D] | S [cap*W] | m | l | lim [cap]
+  // Workspace: Q [cap*D] | qpack [(cap + 2*nh)*D] | acc [cap*D] | S [cap*W] | m | l | lim | low [cap]
   // with cap >= M rows (sized in paged_attention_kt as ws_floats).
   float* Q = ws;
   float* qpack = Q + (int64_t)cap * D;
@@ -83,6 +88,9 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
   float* m = S + (int64_t)cap * W;
   float* l = m + cap;
   int* lim = reinterpret_cast<int*>(l + cap);
+  int* low = lim + cap;
+  const int win = a.sliding_window;
+  const float cap_c = a.logits_soft_cap, inv_cap_c = cap_c > 0.f ? 1.f / cap_c : 0.f;
   auto qpack_of = [&](int hh) { return qpack + (int64_t)hh * (Mh + 2) * D; };
 
   for (int hh = 0; hh < nh; ++hh) {
@@ -95,6 +103,7 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
         load_row(a.query, a.q_dtype, tok * a.q_stride_token + head * a.q_stride_head, qr, D);
         for (int d = 0; d < D; ++d) qr[d] *= a.scale;
         lim[r] = first_pos + it.q0 + qi + 1;  // causal: positions < lim attend
+        low[r] = win > 0 ? lim[r] - win : 0;   // window: positions >= low attend
         m[r] = -std::numeric_limits<float>::infinity();
         l[r] = 0.f;
       }
@@ -150,21 +159,28 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
     }
     for (int r = 0; r < M; ++r) {
       float* s = S + (int64_t)r * W;
+      // this row's visible columns of the chunk: [j0, nr)
       const int nr = std::min(cw, lim[r] - c);
-      if (nr <= 0) {
+      const int j0 = std::max(0, low[r] - c);
+      if (nr <= j0) {
         for (int j = 0; j < cw; ++j) s[j] = 0.f;
         continue;
       }
+      for (int j = 0; j < j0; ++j) s[j] = 0.f;
+      float* sv = s + j0;
+      const int nv = nr - j0;
+      if (cap_c > 0.f)
+        for (int j = 0; j < nv; ++j) sv[j] = cap_c * std::tanh(sv[j] * inv_cap_c);
       // `omp simd` reductions let the compiler vectorize (reorder) these for the variant's ISA.
-      float bm = s[0];
+      float bm = sv[0];
 #pragma omp simd reduction(max : bm)
-      for (int j = 1; j < nr; ++j) bm = bm > s[j] ? bm : s[j];
+      for (int j = 1; j < nv; ++j) bm = bm > sv[j] ? bm : sv[j];
       const float m_new = std::max(m[r], bm);
-      for (int j = 0; j < nr; ++j) s[j] -= m_new;
-      exp_vec(s, nr);
+      for (int j = 0; j < nv; ++j) sv[j] -= m_new;
+      exp_vec(sv, nv);
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int j = 0; j < nr; ++j) sum += s[j];
+      for (int j = 0; j < nv; ++j) sum += sv[j];
       for (int j = nr; j < cw; ++j) s[j] = 0.f;
       if (m_new > m[r]) {
         const float alpha = exp_scalar(m[r] - m_new);  // 0 on the first chunk of the row
@@ -250,14 +266,22 @@ static void paged_attention_kt(const AttentionArgs& a) {
   // while there would be fewer than two items per thread, so that small decode batches with
   // long contexts still spread over every core.
   auto round_w = [&](int t) { return std::max(1, (t + W - 1) / W) * W; };
+  // First context position a query tile reads: 0, or with a window the start of the block that
+  // holds its first query's first visible key (first query at position ctx - q_len + q0).
+  auto ctx_start = [&](int ctx, int q_len, int q0) {
+    if (a.sliding_window <= 0) return 0;
+    const int lo = ctx - q_len + q0 - a.sliding_window + 1;
+    return lo <= 0 ? 0 : lo / BS * BS;
+  };
   auto count_items = [&](int p, bool grouped) {
     int64_t n = 0;
     for (int s = 0; s < a.num_seqs; ++s) {
       const int q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
       if (q_len <= 0) continue;
       const int units = grouped && groupable(q_len) ? 1 : a.num_kv_heads;
-      if (q_len <= qt && a.seq_lens[s] > p)
-        n += (int64_t)units * ((a.seq_lens[s] + p - 1) / p);
+      const int span = a.seq_lens[s] - ctx_start(a.seq_lens[s], q_len, 0);
+      if (q_len <= qt && span > p)
+        n += (int64_t)units * ((span + p - 1) / p);
       else
         n += (int64_t)units * ((q_len + qt - 1) / qt);
     }
@@ -288,16 +312,17 @@ static void paged_attention_kt(const AttentionArgs& a) {
       for (int q0 = 0; q0 < q_len; q0 += qt) {
         const int q1 = std::min(q_len, q0 + qt);
         const int end = ctx - q_len + q1;  // the tile's last query sees positions < end
-        if (q_len <= qt && end > part) {
+        const int start = ctx_start(ctx, q_len, q0);  // its first query sees positions >= start
+        if (q_len <= qt && end - start > part) {
           Merge mg{s, h, h1, q0, q1, num_partials, 0};
-          for (int c0 = 0; c0 < end; c0 += part) {
+          for (int c0 = start; c0 < end; c0 += part) {
             items.push_back(Item{s, h, h1, q0, q1, c0, std::min(end, c0 + part), num_partials});
             num_partials += (int64_t)hstep * (q1 - q0) * G;
             mg.num_partials++;
           }
           merges.push_back(mg);
         } else {
-          items.push_back(Item{s, h, h1, q0, q1, 0, end, -1});
+          items.push_back(Item{s, h, h1, q0, q1, start, end, -1});
         }
       }
     }
@@ -308,7 +333,7 @@ static void paged_attention_kt(const AttentionArgs& a) {
   // heads), or a grouped item's q_len x num_heads <= kMaxTileRows.
   const int cap = std::max(kMaxTileRows, qt * G);
   const int64_t ws_floats =
-      (int64_t)cap * D * 3 + 2 * (int64_t)a.num_kv_heads * D + (int64_t)cap * W + 3 * cap + 64;
+      (int64_t)cap * D * 3 + 2 * (int64_t)a.num_kv_heads * D + (int64_t)cap * W + 4 * cap + 64;
   const int64_t num_items = (int64_t)items.size();
   const int64_t num_merges = (int64_t)merges.size();
 #pragma omp parallel if (num_items > 1)
