@@ -16,6 +16,7 @@ from appliance.layers.forward_context import AttentionMetadata, ForwardContext, 
 from appliance.models.loader import ModelInfo
 from appliance.models.loader import load as load_model
 from appliance.ops import get_ops
+from appliance.runtime.allocator import release_free_memory
 
 log = logging.getLogger("appliance")
 
@@ -36,6 +37,7 @@ class ModelRunner:
         self.ops = get_ops(config.attention_backend)
         self.model.prepare(self.ops, max_model_len, device)
         self.linear_backends = select_backends(self.model, config.linear_backend, dtype, device)
+        release_free_memory()  # the checkpoint forms that packing freed
         # layer group (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head) -> backends it uses
         groups: dict[str, set] = {}
         for name, mod in self.model.named_modules():

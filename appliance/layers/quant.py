@@ -229,15 +229,22 @@ class QuantLinear(LinearBase):
         # pack and run by name (thin over the method): the seam a test stands in at for a kernel
         self.packed = pack(name, self.qweight.data, self.weight_scale.data, self._zp())
         self.method = methods.get(name)
+        tied = self.__dict__.get("tied_embedding")  # a QuantEmbedding sharing the canonical tensors
+        if tied is not None and not self.method.gives_rows:
+            return  # the embedding still reads its rows from them (appliance.layers.vocab)
         # the canonical form is no longer read (int8pack holds qweight itself, by reference)
         for t in (self.qweight, self.weight_scale, self.weight_zero_point):
             if t is not None:
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        if tied is not None:  # the embedding reads its rows from the packed form now
+            tied.__dict__["_rows_from"] = self
 
     def weight_bytes(self) -> int:
         b = self.bias.numel() * self.bias.element_size() if self.bias is not None else 0
-        if self.packed is not None:
-            return packed_bytes(self.packed) + b
+        if self.packed is not None:  # plus the canonical form where it is still held (a tied embedding reads it)
+            held = sum(t.numel() * t.element_size() for t in (self.qweight, self.weight_scale, self.weight_zero_point)
+                       if t is not None)
+            return packed_bytes(self.packed) + b + held
         return self.qweight.numel() * (1 if self.scheme == "w8a8" else 0.5) + self.weight_scale.numel() * 8 + b
 
     def _zp(self) -> torch.Tensor | None:

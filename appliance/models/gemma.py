@@ -28,6 +28,7 @@ from appliance.layers.attention import Attention, layer_sliding_windows
 from appliance.layers.linear import Linear
 from appliance.layers.norm import OffsetRMSNorm
 from appliance.layers.rotary import build_inv_freq, check_rope
+from appliance.layers.vocab import VocabEmbedding, tied_lm_head
 from appliance.models.config_checks import check_config
 
 log = logging.getLogger("appliance")
@@ -255,7 +256,7 @@ class DecoderLayer(nn.Module):
 class Model(nn.Module):
     def __init__(self, cfg: GemmaConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -292,14 +293,13 @@ class GemmaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, OffsetRMSNorm):
                 m.finalize()
-        emb = self.model.embed_tokens.weight
+        emb = self.model.embed_tokens  # float (VocabEmbedding) or, from a GGUF's kept type, a QuantEmbedding
+        dtype, dev = (emb.weight.dtype, emb.weight.device) if isinstance(emb, nn.Embedding) else (emb.dtype, device)
         # transformers: a float32 buffer sqrt(hidden) cast to the weights' dtype at each call
-        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32).to(emb.dtype).to(emb.device)
+        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32).to(dtype).to(dev)
         if cfg.tie_word_embeddings:
-            # as in LlamaForCausalLM: a Linear around the embedding so the linear backends apply to it
-            self.lm_head = Linear(emb.shape[1], emb.shape[0])
-            self.lm_head.weight = emb
-            self.lm_head.keep_weight = True
+            # as in LlamaForCausalLM: the logits projection on the embedding's table, float or quantized
+            self.lm_head = tied_lm_head(emb)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""

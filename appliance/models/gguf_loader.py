@@ -29,6 +29,7 @@ conversion never leaves a half-written model directory behind.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -159,9 +160,13 @@ def open_gguf(path: Path):
 _READERS: dict = {}  # the last file opened: {"key": (path, size, mtime_ns), "reader": GGUFReader}
 
 
-def _open_gguf(path: Path):
-    from gguf import GGUFReader
+def forget_reader(path: Path) -> None:
+    """Drop the cached reader of ``path`` (its memmap is unmapped once nothing else holds it)."""
+    if _READERS.get("key", ("",))[0] == str(Path(path)):
+        _READERS.clear()
 
+
+def _open_gguf(path: Path):
     if not path.exists():
         raise ModelLoadError(f"{path}: GGUF file does not exist")
     if not path.is_file():
@@ -171,7 +176,7 @@ def _open_gguf(path: Path):
     if magic != GGUF_MAGIC:
         raise ModelLoadError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
     try:
-        reader = GGUFReader(path)
+        reader = _lean_reader()(path)
     except Exception as e:  # the reader raises ValueError/KeyError/IndexError/struct.error...
         raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
     size = path.stat().st_size
@@ -181,6 +186,55 @@ def _open_gguf(path: Path):
                 f"{path}: truncated GGUF file: tensor {t.name!r} ends at byte "
                 f"{t.data_offset + t.n_bytes} but the file has {size} bytes")
     return reader
+
+
+# Arrays longer than this (the vocabulary: tokens, scores, token types, merges) are skipped by the
+# lean reader; no other metadata array comes near it (llama.cpp's longest are per-layer, ~100).
+_LEAN_ARRAY_LIMIT = 4096
+
+
+@functools.cache
+def _lean_reader():
+    """``gguf.GGUFReader`` that steps over the long metadata arrays instead of parsing them. The
+    vocabulary arrays (151936 tokens and ~150k merges for Qwen2.5) are what takes GGUFReader its
+    seconds: one numpy view, list entry and index per element. The engine never reads them through
+    this reader (``_read_metadata`` leaves them out; the tokenizer is built by transformers from the
+    file, once, and cached); such a field's ``contents()`` raises rather than return nothing."""
+    from gguf import GGUFReader, GGUFValueType
+    from gguf.gguf_reader import ReaderField
+
+    class SkippedArray(ReaderField):
+        def contents(self, index_or_slice=slice(None)):
+            raise ValueError(f"GGUF metadata array {self.name!r} is not parsed by the appliance's reader "
+                             f"(over {_LEAN_ARRAY_LIMIT} elements); read it with gguf.GGUFReader")
+
+    class LeanReader(GGUFReader):
+        def _get_field_parts(self, orig_offs, raw_type):
+            if GGUFValueType(raw_type) != GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            n, itype = int(alen[0]), GGUFValueType(raw_itype[0])
+            if n <= _LEAN_ARRAY_LIMIT:
+                return super()._get_field_parts(orig_offs, raw_type)
+            offs = orig_offs + 12
+            if itype == GGUFValueType.STRING:  # step over n (u64 length, bytes) records
+                buf, fmt = memoryview(self.data), ">Q" if self.byte_order == "S" else "<Q"
+                for _ in range(n):
+                    offs += 8 + struct.unpack_from(fmt, buf, offs)[0]
+            elif itype in self.gguf_scalar_to_np:
+                offs += n * np.dtype(self.gguf_scalar_to_np[itype]).itemsize
+            else:
+                raise ValueError(f"GGUF metadata array of {itype.name} with {n} elements")
+            self._skipped = True
+            return offs - orig_offs, [raw_itype, alen], [], [GGUFValueType.ARRAY, itype]
+
+        def _push_field(self, field, skip_sum=False):
+            if getattr(self, "_skipped", False):
+                self._skipped = False
+                field = SkippedArray(*field)
+            return super()._push_field(field, skip_sum)
+
+    return LeanReader
 
 
 def _read_metadata(reader, path: Path) -> dict:
@@ -575,8 +629,16 @@ class GGUFSource:
         self.keep, self.float_from = tuple(keep), float_from
         self.norm_shift = _NORM_SHIFT.get(self.meta["general.architecture"], 0.0)
 
+    def close(self) -> None:
+        """Drop the reader once the weights are loaded: its memmap's pages (the file read once over)
+        would otherwise stay resident for the life of the process, and its parsed metadata with them."""
+        self.reader, self.plan = None, []
+        forget_reader(self.path)
+
     def _kept(self, t, hf_name: str, shape) -> bool:
-        return t.tensor_type.name in self.keep and hf_name.endswith("_proj.weight") and len(shape) == 2
+        # projections, the embedding table (QuantEmbedding; a tied lm_head shares it) and an untied lm_head
+        return (t.tensor_type.name in self.keep and len(shape) == 2
+                and (hf_name.endswith("_proj.weight") or hf_name in ("model.embed_tokens.weight", "lm_head.weight")))
 
     def quantized_layers(self) -> dict[str, tuple[str, int]]:
         out = {}

@@ -17,6 +17,7 @@ from appliance.layers.attention import Attention, layer_sliding_windows
 from appliance.layers.linear import Linear
 from appliance.layers.norm import RMSNorm
 from appliance.layers.rotary import build_inv_freq, cos_sin_cache, rope_parameters, rotary_dim
+from appliance.layers.vocab import VocabEmbedding, tied_lm_head
 from appliance.models.config_checks import check_config
 
 
@@ -173,7 +174,7 @@ class DecoderLayer(nn.Module):
 class Model(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -198,12 +199,9 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops
         self.rotary = Rotary(self.config, max_position, device)
         if self.config.tie_word_embeddings:
-            # The logits projection shares the embedding's weight; a Linear around it lets the
-            # linear backends (e.g. a prepacked copy) apply to it like to any other layer.
-            emb = self.model.embed_tokens.weight
-            self.lm_head = Linear(emb.shape[1], emb.shape[0])
-            self.lm_head.weight = emb
-            self.lm_head.keep_weight = True
+            # The logits projection shares the embedding's table (float or quantized); as a linear
+            # layer, the linear methods apply to it like to any other.
+            self.lm_head = tied_lm_head(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""

@@ -182,6 +182,8 @@ def load(info: ModelInfo, dtype: torch.dtype, device: torch.device, quantization
     quantize_floats = quantization in ("w8a8", "w4a8") and not prequantized
     cast_float(model, torch.float32 if quantize_floats else dtype)
     load_weights(model, source, info.architecture)
+    if hasattr(source, "close"):  # a GGUF: its mmap'ed pages and parsed metadata are not read again
+        source.close()
     process_weights_after_loading(model, quantization if quantize_floats else "none", group_size, dtype, info.path)
     n_q = sum(1 for m in model.modules() if _is_quant(m))
     if n_q and not prequantized:
@@ -191,14 +193,18 @@ def load(info: ModelInfo, dtype: torch.dtype, device: torch.device, quantization
 
 
 def _is_quant(m) -> bool:
+    """A module holding the canonical quantized form (qweight, weight_scale, weight_zero_point)."""
     from appliance.layers.quant import QuantLinear
+    from appliance.layers.vocab import QuantEmbedding
 
-    return isinstance(m, QuantLinear)
+    return isinstance(m, (QuantLinear, QuantEmbedding))
 
 
 def build_model_for(info: ModelInfo, source, device: torch.device) -> torch.nn.Module:
-    """The model on ``device`` (uninitialized): a ``QuantLinear`` for every layer (but lm_head) all of
-    whose checkpoint weights ``source`` gives quantized with one scheme and group size, else float.
+    """The model on ``device`` (uninitialized): a ``QuantLinear`` for every layer all of whose
+    checkpoint weights ``source`` gives quantized with one scheme and group size (an untied lm_head
+    too: a GGUF's output.weight of a kept type), else float; a ``QuantEmbedding`` for an embedding
+    table it gives quantized.
 
     The rule for a fused q/k/v or gate/up whose shards differ (a GGUF mixing types, a partly ignored
     compressed-tensors layer): the whole layer is float, its quantized shards dequantized at load, and
@@ -212,9 +218,12 @@ def build_model_for(info: ModelInfo, source, device: torch.device) -> torch.nn.M
     with torch.device("meta"):
         model = build_model(info.architecture, info.hf_config)
         for name, mod in list(model.named_modules()):
-            if not isinstance(mod, Linear) or name == "lm_head" or not qlayers:
+            if isinstance(mod, torch.nn.Embedding) and f"{name}.weight" in qlayers:
+                _quantized_embedding(model, name, mod, qlayers[f"{name}.weight"], source.path)
                 continue
-            parent, leaf = name.rsplit(".", 1)
+            if not isinstance(mod, Linear) or not qlayers:
+                continue
+            parent, _, leaf = name.rpartition(".")
             whole = f"{name}.weight"  # a fused layer the checkpoint stores fused (Phi-3) or by shard
             parts = [whole] if whole in qlayers else [f"{parent}.{s}.weight" for s in mod.shards] or [whole]
             kinds = {qlayers.get(p) for p in parts}
@@ -227,12 +236,26 @@ def build_model_for(info: ModelInfo, source, device: torch.device) -> torch.nn.M
             except ValueError as e:
                 raise ModelLoadError(f"{source.path}: tensor {parts[0]!r}: group size {group} (from the checkpoint's "
                                      f"quantization config) does not divide the input size {mod.in_features}") from e
-            setattr(model.get_submodule(parent), leaf, q)
+            setattr(model.get_submodule(parent) if parent else model, leaf, q)
     model = model.to_empty(device=device)
     for m in model.modules():  # symmetric checkpoints carry no zero points
         if _is_quant(m) and m.weight_zero_point is not None:
             m.weight_zero_point.data.zero_()
     return model
+
+
+def _quantized_embedding(model, name: str, mod, form: tuple[str, int | None], path) -> None:
+    """Swap the float embedding ``name`` for a ``QuantEmbedding`` of the source's form (its table stays
+    quantized; a tied lm_head then runs on a quantized method, see ``appliance.layers.vocab``)."""
+    from appliance.layers.vocab import QuantEmbedding
+
+    scheme, group = form
+    try:
+        q = QuantEmbedding(mod.num_embeddings, mod.embedding_dim, scheme, group or mod.embedding_dim)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: tensor {name + '.weight'!r}: {e}") from e
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, q)
 
 
 def load_weights(model: torch.nn.Module, source, architecture: str = "") -> None:
@@ -262,7 +285,7 @@ def load_weights(model: torch.nn.Module, source, architecture: str = "") -> None
     for f, name, value in _split_all(source.weights(wants_quantized), split):
         if "rotary_emb.inv_freq" in name or ignored(name):
             continue
-        if name == "lm_head.weight" and "lm_head.weight" not in params:
+        if name == "lm_head.weight" and not any(p.startswith("lm_head.") for p in params):
             continue  # tied embeddings: the checkpoint may still carry a copy
         try:
             pname, shard, mod = locate(name)
@@ -313,11 +336,17 @@ def process_weights_after_loading(model: torch.nn.Module, quantization: str, gro
 
 
 def cast_float(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Model dtype for float parameters; QuantLinear's int8 weights and fp32 scales stay as they are."""
+    """Model dtype for float parameters; QuantLinear's int8 weights and fp32 scales stay as they are
+    (a QuantEmbedding's zero points too: it returns its rows in ``dtype``)."""
+    from appliance.layers.vocab import QuantEmbedding
+
     for mod in model.modules():
         quant = _is_quant(mod)
+        held = ("qweight", "weight_scale") + (("weight_zero_point",) if isinstance(mod, QuantEmbedding) else ())
+        if isinstance(mod, QuantEmbedding):
+            mod.dtype = dtype
         for name, p in list(mod.named_parameters(recurse=False)):
-            if quant and name in ("qweight", "weight_scale"):
+            if quant and name in held:
                 continue
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)

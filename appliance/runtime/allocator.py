@@ -45,6 +45,20 @@ GLIBC_TUNED = {"glibc.malloc.mmap_threshold": str(4 << 30), "glibc.malloc.trim_t
 _LIB_RE = re.compile(r"libmimalloc[^/]*\.so[.0-9]*$")
 
 
+def release_free_memory() -> None:
+    """Hand the memory malloc holds free back to the kernel, once, after loading: packing the weights
+    frees the checkpoint's forms (hundreds of MB), which glibc (``glibc-tuned`` keeps freed blocks on
+    purpose, for the per-step buffers) or mimalloc would otherwise keep resident for the life of the
+    process. Not for steps: there, keeping freed memory is the point."""
+    libc = ctypes.CDLL(None)
+    collect = getattr(libc, "mi_collect", None)  # mimalloc preloaded: its own purge
+    if collect is not None:
+        collect(ctypes.c_bool(True))
+    trim = getattr(libc, "malloc_trim", None)  # glibc
+    if trim is not None:
+        trim(ctypes.c_size_t(0))
+
+
 # -- finding the library -------------------------------------------------------------------------
 def _site_dirs() -> list[Path]:
     dirs = [sysconfig.get_paths().get("purelib"), sysconfig.get_paths().get("platlib")]

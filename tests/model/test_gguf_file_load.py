@@ -172,3 +172,29 @@ def test_unsupported_architecture_names_the_file(vocab, tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError) as e:
         LLM(str(path), **KW)
     assert str(path) in str(e.value) and "unsupported GGUF architecture 'gpt2'" in str(e.value)
+
+
+def test_lean_reader_reads_what_gguf_reads_and_steps_over_the_vocabulary():
+    """The appliance's reader (``gguf_loader._open_gguf``: GGUFReader stepping over metadata arrays
+    longer than 4096 elements, the vocabulary) gives the same metadata, config and tensor table as
+    gguf's own reader on the default model's file (49152 tokens), and refuses to pretend it read a
+    skipped array."""
+    from appliance.models import gguf_loader
+    from appliance.models.default_model import default_gguf_path
+
+    path = default_gguf_path()
+    lean, full = gguf_loader._open_gguf(path), gguf.GGUFReader(path)
+    assert type(lean) is not gguf.GGUFReader
+    meta = gguf_loader._read_metadata(lean, path)
+    assert meta == gguf_loader._read_metadata(full, path)
+    assert gguf_loader._build_configs(lean, meta, path) == gguf_loader._build_configs(full, meta, path)
+
+    def table(r):
+        return [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes) for t in r.tensors]
+
+    assert table(lean) == table(full)
+    assert set(lean.fields) == set(full.fields)
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
+        assert len(full.fields[key].data) > 4096
+        with pytest.raises(ValueError, match=key):
+            lean.fields[key].contents()

@@ -34,7 +34,7 @@ from appliance.models.quant_loader import load
 
 CPU = torch.device("cpu")
 # Layer 0 all Q4 (Q4_0 and Q4_1 shards fused into gate_up); layer 1's q/k/v holds a Q8_0 shard and
-# its o_proj is Q8_0: those two take the float route. The untied lm_head stays float.
+# its o_proj is Q8_0: those two take the float route. The untied lm_head (Q8_0, not a W4 type) stays float.
 TYPES = {
     "blk.0.attn_q.weight": "Q4_0", "blk.0.attn_k.weight": "Q4_0", "blk.0.attn_v.weight": "Q4_0",
     "blk.0.attn_output.weight": "Q4_1", "blk.0.ffn_gate.weight": "Q4_0", "blk.0.ffn_up.weight": "Q4_1",
@@ -48,7 +48,8 @@ DIRECT = {"model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj"
           "model.layers.0.mlp.down_proj", "model.layers.1.mlp.gate_up_proj", "model.layers.1.mlp.down_proj"}
 FLOAT_ROUTE = {"model.layers.1.self_attn.qkv_proj", "model.layers.1.self_attn.o_proj"}
 # Under w8a8: layer 0 all Q8_0; layer 1's q/k/v mixes Q8_0 with a Q4_0 shard and its down_proj is Q4_1:
-# those two take the float route (per channel); layer 1's o_proj and gate/up are Q8_0.
+# those two take the float route (per channel); layer 1's o_proj and gate/up are Q8_0, and so is the
+# untied lm_head (kept as it is).
 TYPES_Q8 = {
     "blk.0.attn_q.weight": "Q8_0", "blk.0.attn_k.weight": "Q8_0", "blk.0.attn_v.weight": "Q8_0",
     "blk.0.attn_output.weight": "Q8_0", "blk.0.ffn_gate.weight": "Q8_0", "blk.0.ffn_up.weight": "Q8_0",
@@ -402,11 +403,15 @@ def test_q8_0_blocks_load_as_they_are(vocab, tmp_path, watch):
     model = load(model_info(hf), torch.float32, CPU, "w8a8", 32)
 
     quantized = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    assert quantized == DIRECT_Q8 | FLOAT_ROUTE_Q8
+    assert quantized == DIRECT_Q8 | FLOAT_ROUTE_Q8 | {"lm_head"}  # the untied Q8_0 output.weight as it is
     assert seen["quantized8"] == len(FLOAT_ROUTE_Q8) and seen["quantized"] == 0
     float_read = {n for n in seen["read"] if n.endswith("_proj.weight")}
     assert float_read == {s for n in FLOAT_ROUTE_Q8 for s, _ in _shards(n, model.get_submodule(n))}
-    assert isinstance(model.lm_head, Linear)
+    head = model.lm_head
+    assert (head.scheme, head.group_size) == ("w8a8", 32)
+    out = {t.name: t for t in gguf.GGUFReader(path).tensors}["output.weight"]
+    want = gguf_dequantize(out.data, out.tensor_type).reshape(head.out_features, head.in_features)
+    assert torch.equal(quant.dequantize(head.qweight.data, head.weight_scale.data).float(), torch.from_numpy(want))
     for name in FLOAT_ROUTE_Q8:
         mod = model.get_submodule(name)
         assert mod.group_size == mod.in_features

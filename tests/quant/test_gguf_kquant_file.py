@@ -161,7 +161,8 @@ def test_gguf_quantization_keeps_every_layer_as_stored(files, tmp_path, monkeypa
             "model.layers.1.self_attn.qkv_proj": ("w4a8", 32), "model.layers.1.self_attn.o_proj": ("w4a8", 32),
             "model.layers.1.mlp.gate_up_proj": ("w4a8", 32)}
     if w8:
-        want |= {"model.layers.0.mlp.down_proj": ("w8a8", 16), "model.layers.1.mlp.down_proj": ("w8a8", 16)}
+        want |= {"model.layers.0.mlp.down_proj": ("w8a8", 16), "model.layers.1.mlp.down_proj": ("w8a8", 16),
+                 "lm_head": ("w8a8", 16)}  # the untied Q6_K output.weight
     assert forms == want
     monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(tmp_path / "cache"))
     from helpers import engine_logits

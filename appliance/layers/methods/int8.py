@@ -186,6 +186,20 @@ class W8A8Native(_W8A8):
         y = _native().gemm_w8g_a8(xf, p["w"], p["scale"], p["wsum"], p["n"], p["group"], p["m128"])
         return add_offset(y, xf, p["offset_t"])
 
+    gives_rows = True
+
+    def dequantize_rows(self, p, ids):
+        # row r is row r % 16 of tile r // 16; w [tiles, K/4, 16, 4], scale [tiles, K/kg, 16]. In fp64
+        # and rounded once: q * scale is exact in fp32 (an fp16 scale times <= 8-bit integers), and with
+        # a zero point the result differs from (q - zp) * scale by the fp32 rounding of -zp * scale.
+        tile, r = ids // 16, ids % 16
+        q = p["w"][tile, :, r, :].reshape(len(ids), -1).double()
+        w = q * p["scale"][tile, :, r].double().repeat_interleave(p["group"], dim=1)
+        if p["offset_t"] is not None:
+            off = p["offset_t"][:, ids].t().double()
+            w += off.repeat_interleave(w.shape[1] // off.shape[1], dim=1)
+        return w.float()
+
     def fused_descriptor(self, p, silu_mul_next=False):
         return FusedLinear(3, p["w"], None, (p["scale"], p["wsum"], p["offset_t"]), (p["group"], int(p["m128"])))
 

@@ -86,3 +86,12 @@ class QuantMethod(LinearMethod):
     def fused_descriptor(self, p: dict, silu_mul_next: bool = False) -> FusedLinear | None:
         """Without the bias (QuantLinear adds its own: ``FusedLinear.with_bias``)."""
         return None
+
+    # Whether ``dequantize_rows`` gives rows of the packed form back: a tied embedding then reads its
+    # rows from the lm_head's packed weight and the canonical copy is released
+    # (``appliance.layers.vocab``). Opaque kernel packings (KleidiAI's, int4pack's) do not.
+    gives_rows = False
+
+    def dequantize_rows(self, p: dict, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), K]: the weight rows ``ids`` of a layer packed as ``p``, dequantized."""
+        raise NotImplementedError(f"{self.name} does not give rows of its packed weight back")

@@ -1,0 +1,103 @@
+"""Resident memory after loading a Q4_K_M-style GGUF (``--quantization gguf``), measured with psutil
+in a fresh process: the growth of its RSS from a baseline taken after everything a model does not
+own is in place (torch, the native kernels, transformers and the tokenizer, the 64 MiB scratch the
+linear-backend timing evicts caches with) to after ``LLM(...)`` has loaded, packed and allocated
+its KV cache.
+
+The file (written here, ~80 MB): 8 llama layers at hidden 1024 / FFN 2816 in llama.cpp's Q4_K_M mix
+(``gguf_files.q4_k_m_types``: Q4_K projections, Q6_K for the tied 32768 x 1024 embedding and for
+attn_v / ffn_down of a third of the layers).
+
+Accounting. What the model holds is ``weight_bytes`` (every packed layer, the embedding, norms) plus
+the KV cache; the growth may exceed that by 40% (measured 1.26x here, 186 MiB for 132 + 16, on a
+2-core host with glibc: ~40 MB of the engine's second tokenizer instance, runtime state and heap
+pages the load's freed temporaries leave partly used). Without this work the same load grew by
+~4x the weights: the mmap'ed file's pages stayed resident, so did the GGUF reader's parsed
+vocabulary, the float32 embedding table (128 MiB here) and the freed canonical forms that glibc
+kept (~360 MB on a 12-layer file). No float copy of the embedding table may be held.
+
+Issue 14's target, growth within 15% of the file size plus the KV cache, is not met yet, for the
+weights themselves: held as the methods pack them they are ~1.65x the file. Q6_K (0.82 B/weight in
+the file) is held as W8 groups of 16 on w8a8_native (int8 + fp32 scale and weight sum per group:
+1.5 B/weight), a fused q/k/v mixing Q4_K and Q6_K shards is float32, and Q4_K (0.5625 B/weight) is
+0.625 B/weight on w4a16_int4pack. That part is asserted as an expected failure (strict: it fails
+the suite the day it passes, so the bound gets tightened).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from gguf_files import q4_k_m_types, tokenizer_vocab, write_llama_gguf
+
+LAYERS, HIDDEN, FFN, N_HEAD, N_KV, N_VOCAB = 8, 1024, 2816, 16, 4, 32768
+KV_BLOCKS, BLOCK = 64, 16
+
+_PROBE = textwrap.dedent("""
+    import json, sys
+    import psutil, torch
+    from transformers import AutoTokenizer
+    from appliance import LLM
+    from appliance.layers import linear
+    from appliance.models.default_model import tokenizer_path
+    from appliance.ops import native
+
+    path = sys.argv[1]
+    native.is_available()
+    torch.randn(64, 64) @ torch.randn(64, 64)
+    linear._evict_caches()  # its 64 MiB scratch: a per-process constant of backend timing
+    AutoTokenizer.from_pretrained(str(tokenizer_path(__import__("pathlib").Path(path))))
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    llm = LLM(path, quantization="gguf", dtype="float32", num_kv_blocks=%d, block_size=%d, max_model_len=256,
+              linear_backend="w4a16_int4pack")
+    after = proc.memory_info().rss
+    r = llm.engine.runner
+    emb = r.model.model.embed_tokens
+    floats = max((p.numel() for p in r.model.parameters() if p.is_floating_point()), default=0)
+    print(json.dumps({"growth": after - before, "weights": linear.weight_bytes(r.model),
+                      "kv": r.kv_cache.numel() * r.kv_cache.element_size(), "embedding": type(emb).__name__,
+                      "largest_float_param": floats, "table": emb.num_embeddings * emb.embedding_dim,
+                      "native": native.is_available()}))
+""") % (KV_BLOCKS, BLOCK)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mem")
+    path = write_llama_gguf(d / "q4km.gguf", tokenizer_vocab(), q4_k_m_types(LAYERS), layers=LAYERS, hidden=HIDDEN,
+                            ffn=FFN, n_head=N_HEAD, n_kv=N_KV, n_vocab=N_VOCAB)
+    from appliance.config import cache_dir
+
+    (d / "cache").mkdir()
+    (d / "cache" / "native").symlink_to(cache_dir() / "native")  # the built kernels; the rest fresh
+    env = {**os.environ, "APPLIANCE_CACHE_DIR": str(d / "cache")}
+    out = subprocess.run([sys.executable, "-c", _PROBE, str(path)], capture_output=True, text=True, env=env,
+                         timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    assert m["native"], "the native kernels (w8a8_native: the Q6_K layers) did not load in the probe"
+    m["file"] = Path(path).stat().st_size
+    mib = {k: round(v / 2**20, 1) for k, v in m.items() if k in ("growth", "weights", "kv", "file")}
+    print(f"resident memory (MiB): {mib}; growth / (weights + KV) = {m['growth'] / (m['weights'] + m['kv']):.2f}, "
+          f"growth / (file + KV) = {m['growth'] / (m['file'] + m['kv']):.2f}")
+    return m
+
+
+def test_resident_memory_is_the_packed_weights_and_kv_cache(measured):
+    m = measured
+    assert 50 << 20 <= m["file"] <= 150 << 20  # the weights dominate the process's noise
+    assert m["embedding"] == "QuantEmbedding" and m["largest_float_param"] < m["table"]
+    assert m["growth"] <= 1.40 * (m["weights"] + m["kv"]), m
+
+
+@pytest.mark.xfail(strict=True, reason="weights as packed are ~1.65x a Q4_K_M file (Q6_K held as W8 g16, "
+                                       "mixed q/k/v float32): see the module docstring")
+def test_resident_memory_within_15_percent_of_the_file_and_kv_cache(measured):
+    m = measured
+    assert m["growth"] <= 1.15 * (m["file"] + m["kv"]), m
