@@ -149,3 +149,20 @@ def test_chunked_prefill_and_prefix_caching_give_transformers_tokens(tiny_model_
     got = run_engine(engine, ids, params, stagger=2)
     _, ref = hf_greedy(path, ids, MAX_NEW)
     assert got == ref
+
+
+@pytest.mark.parametrize("name", ["phi3-partial", "qwen2-yarn"])
+def test_forced_preemption_gives_transformers_tokens(tiny_model_dir, name):
+    # 48 blocks of 4 hold the longest request (150 + 24 tokens) alone but not six at once: requests are
+    # preempted and recomputed, and the rotary cache (long factors, partial or yarn) must give the
+    # same keys the second time
+    path = model_dir(tiny_model_dir, name)
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=48, block_size=4,
+                                    max_num_batched_tokens=64))
+    ids = prompt_ids(engine.tokenizer, "long")
+    ids = ids + [ids[0] + ids[3][:9], ids[2][:80] + ids[1][:5]]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    got = run_engine(engine, ids, params)
+    assert engine.scheduler.num_preemptions > 0
+    _, ref = hf_greedy(path, ids, MAX_NEW)
+    assert got == ref
