@@ -91,3 +91,32 @@ def assert_matches_reference(backend: str, qw: torch.Tensor, s: torch.Tensor, zp
         assert err <= tol, f"{backend} m={m}: max error {err:.3g} > {tol:.3g}"
         if backend.endswith("a8"):  # activations are quantized: a float reference differs visibly
             assert (got.double() - (x.double() @ quant.dequantize(qw, s, zp).t() + bias)).abs().max() > tol
+
+
+def hf_greedy(path, prompts_ids, max_new):
+    """transformers' model at ``path`` (float32) and its greedy continuation of each prompt."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    outs = []
+    for ids in prompts_ids:
+        g = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                        max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        outs.append(g[0, len(ids):].tolist())
+    return hf, outs
+
+
+def check_against_transformers(llm, path, ids, max_new):
+    """The engine's greedy tokens equal transformers' and its last-token logits are within 1e-4
+    (float32), the pool is intact and every block is back. Returns transformers' tokens."""
+    outs = llm.generate(prompt_token_ids=ids,
+                        sampling_params=SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True))
+    hf, ref = hf_greedy(path, ids, max_new)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    for p in ids:
+        with torch.no_grad():
+            want = hf(torch.tensor([p])).logits[0, -1].float()
+        torch.testing.assert_close(engine_logits(llm, p), want, atol=1e-4, rtol=0)
+    llm.engine.check_integrity()
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.num_blocks
+    return ref

@@ -30,6 +30,7 @@ from appliance.layers.norm import OffsetRMSNorm
 from appliance.layers.rotary import build_inv_freq, check_rope
 from appliance.layers.vocab import VocabEmbedding, tied_lm_head
 from appliance.models.config_checks import check_config
+from appliance.models.llama import fused_param_for
 
 log = logging.getLogger("appliance")
 
@@ -332,13 +333,7 @@ class GemmaForCausalLM(nn.Module):
             if name.startswith(old):
                 name = new + name[len(old):]
                 break
-        for shard in ("q_proj", "k_proj", "v_proj"):
-            if f".self_attn.{shard}." in name:
-                return name.replace(f".{shard}.", ".qkv_proj."), shard
-        for shard in ("gate_proj", "up_proj"):
-            if f".mlp.{shard}." in name:
-                return name.replace(f".{shard}.", ".gate_up_proj."), shard
-        return name, None
+        return fused_param_for(name)
 
 
 def build(architecture: str, hf_config: dict) -> GemmaForCausalLM:

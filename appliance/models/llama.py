@@ -290,14 +290,19 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def param_for(self, name: str) -> tuple[str, str | None]:
-        """Map a checkpoint tensor name to (parameter name, shard of a fused weight or None)."""
-        for shard in ("q_proj", "k_proj", "v_proj"):
-            if f".self_attn.{shard}." in name:
-                return name.replace(f".{shard}.", ".qkv_proj."), shard
-        for shard in ("gate_proj", "up_proj"):
-            if f".mlp.{shard}." in name:
-                return name.replace(f".{shard}.", ".gate_up_proj."), shard
-        return name, None
+        return fused_param_for(name)
+
+
+def fused_param_for(name: str) -> tuple[str, str | None]:
+    """Map a checkpoint tensor name to (parameter name, shard of a fused weight or None): q/k/v into
+    ``qkv_proj``, gate/up into ``gate_up_proj`` (the fused Linear layers of every family here)."""
+    for shard in ("q_proj", "k_proj", "v_proj"):
+        if f".self_attn.{shard}." in name:
+            return name.replace(f".{shard}.", ".qkv_proj."), shard
+    for shard in ("gate_proj", "up_proj"):
+        if f".mlp.{shard}." in name:
+            return name.replace(f".{shard}.", ".gate_up_proj."), shard
+    return name, None
 
 
 def build(architecture: str, hf_config: dict) -> LlamaForCausalLM:

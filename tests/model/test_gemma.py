@@ -9,13 +9,12 @@ import shutil
 
 import pytest
 import torch
-import transformers
 
 from appliance import LLM, SamplingParams
 from appliance.config import EngineConfig
 from appliance.engine.llm_engine import LLMEngine
 from appliance.errors import ModelLoadError
-from helpers import engine_logits
+from helpers import check_against_transformers, hf_greedy
 
 WINDOW = 8  # most prompts (and every prompt with its 24 new tokens) run past the local layers' window
 SHARED = "Paris is the capital of France. The quick brown fox jumps over the lazy dog. "
@@ -56,27 +55,8 @@ def _model(tiny_model_dir, name):
     return tiny_model_dir(arch, tie, 2, **kw)
 
 
-def hf_greedy(path, prompts_ids, max_new):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    outs = []
-    for ids in prompts_ids:
-        g = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                        max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
-        outs.append(g[0, len(ids):].tolist())
-    return hf, outs
-
-
 def _assert_matches(llm, path, ids):
-    outs = llm.generate(prompt_token_ids=ids,
-                        sampling_params=SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
-    hf, ref = hf_greedy(path, ids, MAX_NEW)
-    assert [o.outputs[0].token_ids for o in outs] == ref
-    for p in ids:
-        with torch.no_grad():
-            want = hf(torch.tensor([p])).logits[0, -1].float()
-        torch.testing.assert_close(engine_logits(llm, p), want, atol=1e-4, rtol=0)
-    llm.engine.check_integrity()
-    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.num_blocks
+    check_against_transformers(llm, path, ids, MAX_NEW)
 
 
 def _backend(name: str) -> str:

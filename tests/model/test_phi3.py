@@ -11,14 +11,12 @@ whole sequences within 64 tokens with max_model_len 64 (short factors)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from appliance import LLM, SamplingParams
 from appliance.config import EngineConfig
 from appliance.engine.llm_engine import LLMEngine
-from helpers import engine_logits
+from helpers import check_against_transformers, engine_logits, hf_greedy
 from test_engine_invariance import run_engine
-from test_parity import hf_greedy
 
 ORIGINAL = 64  # original_max_position_embeddings of the tiny models; max_position_embeddings is 512
 
@@ -63,19 +61,6 @@ def prompt_ids(tok, regime: str) -> list[list[int]]:
     return [ids[i:i + n] for i, n in enumerate(lengths)]  # different starts: different texts
 
 
-def check_against_transformers(llm, path, ids):
-    outs = llm.generate(prompt_token_ids=ids,
-                        sampling_params=SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
-    hf, ref = hf_greedy(path, ids, MAX_NEW)
-    assert [o.outputs[0].token_ids for o in outs] == ref
-    for p in ids:
-        with torch.no_grad():
-            want = hf(torch.tensor([p])).logits[0, -1].float()
-        torch.testing.assert_close(engine_logits(llm, p), want, atol=1e-4, rtol=0)
-    llm.engine.check_integrity()
-    return ref
-
-
 @pytest.mark.parametrize("name,regime", [("phi3", "long"), ("phi3", "short"), ("phi3-partial", "long"),
                                          ("phi3-partial", "short"), ("qwen2-yarn", "long"), ("qwen2-yarn", "short")])
 @pytest.mark.parametrize("backend", ["reference", "auto"])
@@ -87,7 +72,7 @@ def test_greedy_and_logits_match_transformers(tiny_model_dir, name, regime, back
     # the cache the model built covers max_model_len positions and carries the attention factor
     cache = llm.engine.runner.model.rotary.cos_sin_cache
     assert cache.shape[0] == max_model_len and cache.abs().max() > 1.0
-    check_against_transformers(llm, path, prompt_ids(llm.get_tokenizer(), regime))
+    check_against_transformers(llm, path, prompt_ids(llm.get_tokenizer(), regime), MAX_NEW)
 
 
 def test_longrope_regime_is_chosen_from_max_model_len(tiny_model_dir):
@@ -112,7 +97,7 @@ def test_fused_native_stack_takes_partial_rotary(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(native, "llama_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
     path = model_dir(tiny_model_dir, "phi3-partial")
     llm = LLM(str(path), dtype="float32", linear_backend="native", attention_backend="native", num_kv_blocks=128)
-    check_against_transformers(llm, path, prompt_ids(llm.get_tokenizer(), "long"))
+    check_against_transformers(llm, path, prompt_ids(llm.get_tokenizer(), "long"), MAX_NEW)
     assert len(calls) >= MAX_NEW
 
 
@@ -132,7 +117,7 @@ def test_sliding_window_matches_transformers(tiny_model_dir, backend, fused, mon
     llm = LLM(str(path), dtype="float32", attention_backend=backend, block_size=4, num_kv_blocks=256,
               linear_backend="native" if backend == "native" else "auto")
     assert [layer.self_attn.attn.sliding_window for layer in llm.engine.runner.model.model.layers] == [8, 8]
-    check_against_transformers(llm, path, prompt_ids(llm.get_tokenizer(), "long"))
+    check_against_transformers(llm, path, prompt_ids(llm.get_tokenizer(), "long"), MAX_NEW)
     assert bool(calls) == fused
 
 
