@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from appliance import LLM, SamplingParams
-from helpers import engine_logits, skip_unless_backend
+from helpers import engine_logits, hf_greedy, skip_unless_backend
 
 PROMPTS = [
     "The quick brown fox",
@@ -24,16 +24,6 @@ CASES = [
     ("qwen3", False, 2),  # q/k norm, head_dim != hidden / heads
 ]
 MAX_NEW = 24
-
-
-def hf_greedy(path, prompts_ids, max_new):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    outs = []
-    for ids in prompts_ids:
-        g = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                        max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
-        outs.append(g[0, len(ids):].tolist())
-    return hf, outs
 
 
 @pytest.mark.parametrize("arch,tie,kv", CASES)
