@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 import transformers
-from helpers import engine_logits
+from helpers import check_against_transformers, engine_logits
 from safetensors.torch import load_file, save_file
 
 from appliance import LLM, SamplingParams
@@ -73,15 +73,7 @@ def test_greedy_and_logits_match_transformers(tiny_model_dir, arch, overrides, b
     assert all(len(b.experts) == 8 for b in _sparse_layers(model))
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS]
-    outs = llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)
-    hf = _hf(path)
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, ids, MAX_NEW)
-    for p in ids:
-        with torch.no_grad():
-            want = hf(torch.tensor([p])).logits[0, -1].float()
-        torch.testing.assert_close(engine_logits(llm, p), want, atol=1e-4, rtol=0)
-    llm.engine.check_integrity()
-    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.num_blocks
+    check_against_transformers(llm, path, ids, MAX_NEW)
 
 
 @pytest.mark.parametrize("linear", ["native", "onednn", "torch"])
