@@ -27,7 +27,7 @@ from appliance.errors import ModelLoadError
 from appliance.layers.attention import Attention, layer_sliding_windows
 from appliance.layers.linear import Linear
 from appliance.layers.norm import OffsetRMSNorm
-from appliance.layers.rotary import build_inv_freq, check_rope
+from appliance.layers.rotary import build_inv_freq, check_rope, cos_sin_cache
 from appliance.layers.vocab import VocabEmbedding, tied_lm_head
 from appliance.models.config_checks import check_config
 from appliance.models.llama import fused_param_for
@@ -286,11 +286,11 @@ class GemmaForCausalLM(nn.Module):
         factors, the embedding scale."""
         cfg = self.config
         self.ops = ops
-        t = torch.arange(max_position, dtype=torch.float32)
         for layer_type, theta, scaling in cfg.rope:
-            inv_freq, _ = build_inv_freq(cfg.head_dim, theta, scaling)
-            freqs = torch.outer(t, inv_freq)
-            self.cos_sin[layer_type] = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+            # the one rotary table builder (rotary.cos_sin_cache): a scaling's attention factor applies too
+            inv_freq, factor = build_inv_freq(cfg.head_dim, theta, scaling, cfg.max_position_embeddings,
+                                              max_position)
+            self.cos_sin[layer_type] = cos_sin_cache(inv_freq, factor, max_position).to(device)
         for m in self.modules():
             if isinstance(m, OffsetRMSNorm):
                 m.finalize()
