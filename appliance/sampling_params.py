@@ -1,9 +1,51 @@
 """SamplingParams, mirroring vLLM's so users can switch in either direction."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from appliance.errors import InvalidRequestError
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's ``StructuredOutputsParams``); exactly one field is set.
+
+    ``json`` is a JSON schema (a dict or its JSON text); ``json_object`` any JSON object; ``regex``
+    a regular expression; ``choice`` one of the given strings; ``grammar`` a Lark grammar (or GBNF).
+    Compiling and enforcing the constraint is appliance.structured's job; this class checks shapes.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self):
+        def bad(name, msg):
+            raise InvalidRequestError(f"structured_outputs.{name} {msg}", param=f"structured_outputs.{name}")
+
+        set_ = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise InvalidRequestError(
+                f"structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
+                f"got {set_ or 'none'}", param="structured_outputs")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                bad("json", f"is not valid JSON ({e})")
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            bad("json", f"must be a JSON schema object, got {type(self.json).__name__}")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            bad("regex", f"must be a non-empty string, got {self.regex!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            bad("grammar", f"must be a non-empty string, got {self.grammar!r}")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            bad("choice", f"must be a non-empty list of non-empty strings, got {self.choice!r}")
 
 
 @dataclass
@@ -26,6 +68,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained decoding (enforced by appliance.structured through the sampler's token mask).
+    structured_outputs: StructuredOutputsParams | None = None
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
