@@ -63,6 +63,17 @@ def serve(
         help="Sequences allowed to wait beyond max_num_seqs; more get 503 (default: no limit).")] = None,
     shutdown_timeout: Annotated[float, Opt(help="Seconds in-flight requests get to finish on SIGTERM.")] = 30.0,
     log_level: Annotated[str, Opt(help="debug | info | warning | error.")] = "info",
+    enable_auto_tool_choice: Annotated[bool, Opt(
+        help="Allow tool_choice 'auto': parse tool calls from the output (needs --tool-call-parser).")] = False,
+    tool_call_parser: Annotated[Optional[str], Opt(
+        help="The model's tool-call format: hermes | llama3_json | mistral | pythonic.")] = None,
+    reasoning_parser: Annotated[Optional[str], Opt(
+        help="Move <think>...</think> into reasoning_content: qwen3 | deepseek_r1.")] = None,
+    chat_template: Annotated[Optional[str], Opt(
+        help="Chat template: a file path, or the Jinja template itself (default: the tokenizer's).")] = None,
+    default_chat_template_kwargs: Annotated[Optional[str], Opt(
+        help='JSON object of chat template arguments, e.g. \'{"enable_thinking": false}\' (a request\'s '
+             'chat_template_kwargs win).')] = None,
 ):
     """Serve a model over an OpenAI-compatible HTTP API."""
     from appliance.config import EngineConfig
@@ -87,7 +98,15 @@ def serve(
                                                     if v is not None or k == "model"})
         server_config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
                                      max_queued_requests=max_queued_requests, shutdown_timeout=shutdown_timeout,
-                                     log_level=log_level.lower())
+                                     log_level=log_level.lower(),
+                                     enable_auto_tool_choice=enable_auto_tool_choice,
+                                     tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                                     chat_template=chat_template,
+                                     default_chat_template_kwargs=default_chat_template_kwargs)
+        from appliance.server.chat_tools import ChatOptions
+
+        ChatOptions.from_flags(enable_auto_tool_choice, tool_call_parser, reasoning_parser, chat_template,
+                               default_chat_template_kwargs)  # bad chat flags: exit 2 before anything starts
     except ApplianceError as e:
         _fail(str(e), 2)
     try:

@@ -36,6 +36,12 @@ class ServerConfig:
     max_queued_requests: int | None = None  # None: no limit beyond memory
     shutdown_timeout: float = 30.0
     log_level: str = "info"
+    # Chat: tool calling, reasoning and the chat template (checked by chat_tools.ChatOptions.from_flags).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    chat_template: str | None = None  # a file or the template itself
+    default_chat_template_kwargs: dict | str | None = None
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -139,7 +145,11 @@ def serve(engine_config: EngineConfig, server: ServerConfig) -> int:
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     from appliance.models.default_model import resolve_model_source, tokenizer_path
+    from appliance.server.chat_tools import ChatOptions
 
+    chat_options = ChatOptions.from_flags(  # bad flags fail here, before the model loads
+        server.enable_auto_tool_choice, server.tool_call_parser, server.reasoning_parser, server.chat_template,
+        server.default_chat_template_kwargs)
     model_path = resolve_model_source(engine_config.model)  # once, here: the core gets a plain path
     names = [server.served_model_name or (engine_config.model if engine_config.model is not None
                                           else _default_name())]
@@ -157,7 +167,7 @@ def serve(engine_config: EngineConfig, server: ServerConfig) -> int:
     log.info("engine ready in %.1f s", time.perf_counter() - t0)
     metrics = ServerMetrics(names[0])
     metrics.runtime = info.get("runtime") or {}
-    serving = OpenAIServing(client, tokenizer, names, metrics, server.max_queued_requests)
+    serving = OpenAIServing(client, tokenizer, names, metrics, server.max_queued_requests, chat_options)
 
     async def on_shutdown():
         serving.abort_all()

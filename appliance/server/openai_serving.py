@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from appliance.errors import InvalidRequestError
 from appliance.sampling_params import SamplingParams
+from appliance.server import chat_tools
 from appliance.server.async_engine import (
     AsyncEngineClient, EngineDeadError, RequestAborted, RequestStream, iterate_streams,
 )
@@ -57,8 +58,10 @@ class _Choice:
 
 class OpenAIServing:
     def __init__(self, client: AsyncEngineClient, tokenizer, served_model_names: list[str],
-                 metrics: ServerMetrics, max_queued_requests: int | None):
+                 metrics: ServerMetrics, max_queued_requests: int | None,
+                 chat_options: chat_tools.ChatOptions | None = None):
         self.client = client
+        self.chat_options = chat_options or chat_tools.ChatOptions()
         self.tokenizer = tokenizer
         self.info = client.info
         self.served_model_names = served_model_names
@@ -360,14 +363,19 @@ class OpenAIServing:
 
     # -- /v1/chat/completions ------------------------------------------------------------------------
     def chat_prompt(self, messages, add_generation_prompt: bool, continue_final_message: bool = False,
-                    kwargs: dict | None = None) -> list[int]:
+                    kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
         tok = self.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise OpenAIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        opts = self.chat_options
+        if not getattr(tok, "chat_template", None) and opts.chat_template is None:
+            raise OpenAIError(400, "this model has no chat template; use /v1/completions or start the server with "
+                                   "--chat-template", param="messages")
+        kwargs = chat_tools.template_kwargs(opts, kwargs)
+        if opts.chat_template is not None:
+            kwargs["chat_template"] = opts.chat_template
         try:
-            text = tok.apply_chat_template(message_dicts(messages), tokenize=False,
+            text = tok.apply_chat_template(message_dicts(messages), tools=tools, tokenize=False,
                                            add_generation_prompt=add_generation_prompt and not continue_final_message,
-                                           continue_final_message=continue_final_message, **(kwargs or {}))
+                                           continue_final_message=continue_final_message, **kwargs)
         except OpenAIError:
             raise
         except Exception as e:  # noqa: BLE001 - jinja templates raise anything (e.g. role order checks)
@@ -379,10 +387,14 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, f"top_logprobs={req.top_logprobs} needs logprobs=true", param="top_logprobs")
         k = req.top_logprobs or 0
+        tools = chat_tools.check_tools(req.tools)
+        tool_choice = chat_tools.check_tool_choice(req.tool_choice, tools, self.chat_options)
+        chat_tools.check_tool_messages(req.messages)
         ids = self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
-                               req.chat_template_kwargs)
+                               req.chat_template_kwargs, tools=tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, max_tokens, k if req.logprobs else None)
+        self._tool_sampling(params, tool_choice, tools, req.parallel_tool_calls)
         if req.logprobs and not 0 <= k <= 20:
             raise OpenAIError(400, f"top_logprobs must be in [0, 20], got {k}", param="top_logprobs")
         self.check_prompt(ids, params, param="messages")
@@ -391,7 +403,8 @@ class OpenAIServing:
         created = int(time.time())
         streams = self._start(request_id, [ids], params, "chat")
         if req.stream:
-            return self._sse(self._stream_chat(req, streams, ids, k, request_id, model, created), streams, request_id)
+            return self._sse(self._stream_chat(req, streams, ids, k, request_id, model, created, tool_choice),
+                             streams, request_id)
 
         choices, _ = await self._collect(streams, http)
         if choices is None:
@@ -399,16 +412,25 @@ class OpenAIServing:
         out = []
         for c in choices[0]:
             lp = {"content": self._chat_logprobs(c.token_ids, c.logprobs or [], k)} if req.logprobs else None
-            out.append({"index": len(out), "message": {"role": "assistant", "content": c.text},
-                        "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            message = {"role": "assistant", "content": c.text}
+            finish_reason = c.finish_reason
+            output = chat_tools.ChatOutput(self.chat_options, tool_choice)
+            if output.active:
+                message = output.message(c.text)
+                if message.get("tool_calls") and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            out.append({"index": len(out), "message": message,
+                        "logprobs": lp, "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in choices[0])
         body = {"id": request_id, "object": "chat.completion", "created": created, "model": model, "choices": out,
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
                           "total_tokens": len(ids) + completion_tokens}}
         return JSONResponse(body, headers={"X-Request-Id": request_id})
 
-    async def _stream_chat(self, req, streams, ids, k, request_id, model, created):
+    async def _stream_chat(self, req, streams, ids, k, request_id, model, created, tool_choice=None):
         n = streams[0].num_seqs
+        outputs = [chat_tools.ChatOutput(self.chat_options, tool_choice or chat_tools.ToolChoice("none"))
+                   for _ in range(n)]
 
         def chunk(choices):
             return sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -423,8 +445,11 @@ class OpenAIServing:
                 completion_tokens += len(c.token_ids)
                 if not c.text and not c.token_ids and c.finish_reason is None:
                     continue  # nothing new (a chunk per new token even when its text is held back, as vLLM)
-                delta = {"content": c.text} if c.text or c.finish_reason is None else {}
                 lp = {"content": self._chat_logprobs(c.token_ids, c.logprobs or [], k)} if req.logprobs else None
+                if outputs[c.index].active:
+                    out.extend(self._parsed_chunks(outputs[c.index], c, lp))
+                    continue
+                delta = {"content": c.text} if c.text or c.finish_reason is None else {}
                 out.append({"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason,
                             "stop_reason": c.stop_reason})
             if out:
@@ -433,6 +458,39 @@ class OpenAIServing:
             yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                        "choices": [], "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
                                                 "total_tokens": len(ids) + completion_tokens}})
+
+    # -- tools and reasoning -----------------------------------------------------------------------
+    def _tool_sampling(self, params: SamplingParams, tool_choice, tools, parallel) -> None:
+        """tool_choice "required" or a named function: constrain the output to the tool-call JSON.
+        "auto" with a format whose markers are special tokens: keep them in the text to parse."""
+        parser = self.chat_options.tool_parser
+        if tool_choice.mode == "auto" and parser is not None and parser.needs_special_tokens:
+            params.skip_special_tokens = False
+        if tool_choice.mode not in ("required", "named"):
+            return
+        if params.structured_outputs is not None:
+            raise OpenAIError(400, f"tool_choice={tool_choice.mode!r} constrains the output itself; it cannot be "
+                                   "combined with another structured output", param="tool_choice")
+        from appliance.sampling_params import StructuredOutputsParams
+
+        params.structured_outputs = StructuredOutputsParams(
+            json=chat_tools.tool_choice_schema(tool_choice, tools, parallel))
+
+    @staticmethod
+    def _parsed_chunks(output, c, lp) -> list[dict]:
+        """One streamed choice through its reasoning / tool-call parsers: a chunk per delta, the
+        logprobs on the first, the finish reason on a last empty one."""
+        deltas = output.feed(c.text, final=c.finish_reason is not None)
+        chunks = [{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+        if lp is not None:
+            if not chunks:
+                chunks.append({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": None})
+            chunks[0]["logprobs"] = lp
+        if c.finish_reason is not None:
+            reason = "tool_calls" if output.called and c.finish_reason == "stop" else c.finish_reason
+            chunks.append({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason,
+                           "stop_reason": c.stop_reason})
+        return chunks
 
     # -- SSE ---------------------------------------------------------------------------------------
     def _sse(self, gen, streams: list[RequestStream], request_id: str) -> StreamingResponse:

@@ -92,10 +92,25 @@ class ContentPart(_Base):
     text: str | None = None
 
 
+class ToolCallFunction(_Base):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Base):
+    """A tool call of an earlier assistant message, as the client sends it back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Base):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -108,6 +123,8 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     tools: list | None = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Base):
@@ -146,5 +163,28 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
         d = {"role": role, "content": content}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise OpenAIError(400, f"messages[{i}].tool_calls is only allowed for role 'assistant', got "
+                                       f"{m.role!r}", param=f"messages.{i}.tool_calls")
+            d["tool_calls"] = [_template_tool_call(tc, f"messages[{i}].tool_calls[{j}]")
+                               for j, tc in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
+
+
+def _template_tool_call(tc: ToolCallIn, where: str) -> dict:
+    """A tool call as chat templates read it: transformers' documented shape with ``arguments`` as a
+    dict (Qwen 2.5/3, Llama 3.1 and Hermes templates apply ``tojson`` to it; Qwen 3 also takes a string)."""
+    try:
+        args = json.loads(tc.function.arguments)
+    except ValueError as e:
+        raise OpenAIError(400, f"{where}.function.arguments must be a JSON object text; got "
+                               f"{_short(tc.function.arguments)} ({e})",
+                          param=where.replace("[", ".").replace("]", "") + ".function.arguments") from None
+    if not isinstance(args, dict):
+        raise OpenAIError(400, f"{where}.function.arguments must be a JSON object, got {_short(args)}",
+                          param=where.replace("[", ".").replace("]", "") + ".function.arguments")
+    return {"id": tc.id, "type": "function", "function": {"name": tc.function.name, "arguments": args}}
