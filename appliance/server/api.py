@@ -161,7 +161,11 @@ def build_app(serving: OpenAIServing, api_key: str | None = None, on_startup=Non
         if req.prompt is not None:
             ids = serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
-            ids = serving.chat_prompt(req.messages, req.add_generation_prompt)
+            from appliance.server import chat_tools
+
+            chat_tools.check_tool_messages(req.messages)
+            ids = serving.chat_prompt(req.messages, req.add_generation_prompt, kwargs=req.chat_template_kwargs,
+                                      tools=chat_tools.check_tools(req.tools))
         return {"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids}
 
     @app.post("/detokenize")

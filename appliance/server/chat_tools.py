@@ -279,10 +279,13 @@ class ChatOutput:
 
     def message(self, text: str) -> dict:
         """The non-streamed ``message`` (role, content, reasoning_content, tool_calls)."""
-        reasoning, content = (self.reasoning.scan(text, True) if self.reasoning else (None, text))
+        if self.reasoning:
+            reasoning, content = self.reasoning.extract(text)  # None for an empty part, as vLLM
+        else:
+            reasoning, content = None, text
         msg: dict = {"role": "assistant"}
         calls: list[ToolCall] = []
-        if self._scan is not None:
+        if self._scan is not None and content is not None:
             s = self._scan(content, True)
             calls = [ToolCall(n, a) for n, a in s.calls]
             content = None if calls and not s.content else s.content

@@ -452,8 +452,12 @@ class OpenAIServing:
                 delta = {"content": c.text} if c.text or c.finish_reason is None else {}
                 out.append({"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason,
                             "stop_reason": c.stop_reason})
-            if out:
-                yield chunk(out)
+            # A parsed choice can give several deltas in one step: one chunk holds one delta per choice.
+            while out:
+                seen: set = set()
+                first = [e for e in out if not (e["index"] in seen or seen.add(e["index"]))]
+                out = [e for e in out if all(e is not f for f in first)]
+                yield chunk(first)
         if req.stream_options and req.stream_options.include_usage:
             yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                        "choices": [], "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,

@@ -133,6 +133,8 @@ class TokenizeRequest(_Base):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list | None = None
+    chat_template_kwargs: dict | None = None
 
 
 class DetokenizeRequest(_Base):
