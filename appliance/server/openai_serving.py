@@ -18,7 +18,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from appliance.errors import InvalidRequestError
-from appliance.sampling_params import SamplingParams
+from appliance.sampling_params import SamplingParams, check_logit_bias_vocab
 from appliance.server import chat_tools
 from appliance.server.async_engine import (
     AsyncEngineClient, EngineDeadError, RequestAborted, RequestStream, iterate_streams,
@@ -28,6 +28,7 @@ from appliance.server.metrics import ServerMetrics
 from appliance.server.protocol import (
     ChatCompletionRequest, CompletionRequest, OpenAIError, message_dicts,
 )
+from appliance.structured.requests import from_request
 
 log = logging.getLogger("appliance.server")
 _DISCONNECT_POLL_S = 0.5
@@ -114,6 +115,10 @@ class OpenAIServing:
             raise OpenAIError(400, f"This model's maximum context length is {max_len} tokens, but the prompt has "
                                    f"{n} tokens and max_tokens is {max_tokens} ({n + max_tokens} in total)",
                               param="max_tokens", code="context_length_exceeded")
+        try:
+            check_logit_bias_vocab(params.logit_bias, vocab)
+        except InvalidRequestError as e:
+            raise OpenAIError(400, str(e), param=e.param, code="invalid_value") from None
         bs, blocks = self.info["block_size"], self.info["num_kv_blocks"]
         need = -(-(n + max_tokens) // bs)
         if need > blocks:
@@ -122,9 +127,8 @@ class OpenAIServing:
 
     @staticmethod
     def sampling_params(req, max_tokens, logprobs, prompt_logprobs=None) -> SamplingParams:
-        if req.logit_bias:
-            raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
-        kw = dict(n=req.n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        kw = dict(logit_bias=req.logit_bias, structured_outputs=from_request(req),
+                  n=req.n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                   min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop=req.stop,
                   stop_token_ids=req.stop_token_ids, seed=req.seed, skip_special_tokens=req.skip_special_tokens,
                   include_stop_str_in_output=req.include_stop_str_in_output)
@@ -479,6 +483,14 @@ class OpenAIServing:
 
         params.structured_outputs = StructuredOutputsParams(
             json=chat_tools.tool_choice_schema(tool_choice, tools, parallel))
+        from appliance.structured.grammar import validate
+
+        field = "tools" if tool_choice.mode == "required" else \
+            f"tools.{[t['function']['name'] for t in tools].index(tool_choice.name)}.function.parameters"
+        try:  # a parameters schema the grammar compiler cannot take is the client's to fix
+            validate(params.structured_outputs, field)
+        except InvalidRequestError as e:
+            raise OpenAIError(400, str(e), param=e.param, code="invalid_value") from None
 
     @staticmethod
     def _parsed_chunks(output, c, lp) -> list[dict]:

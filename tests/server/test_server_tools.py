@@ -192,10 +192,21 @@ def test_named_tool_choice_always_calls_it(client, seed):
 @needs_structured
 @pytest.mark.parametrize("seed", range(4))
 def test_required_tool_choice_always_calls_a_tool(client, seed):
+    # parallel_tool_calls=False: exactly one call, so the output's length is bounded by the schema
     r = client.chat.completions.create(model=NAME, messages=USER, tools=TOOLS, temperature=1.0, seed=seed,
-                                       max_tokens=200, tool_choice="required")
+                                       max_tokens=200, tool_choice="required", parallel_tool_calls=False)
     c = r.choices[0]
-    assert c.finish_reason == "tool_calls" and c.message.tool_calls
+    assert c.finish_reason == "tool_calls" and c.message.content is None and len(c.message.tool_calls) == 1
+    _check_call(c.message.tool_calls[0].function.name, c.message.tool_calls[0].function.arguments)
+
+
+@needs_structured
+def test_required_tool_choice_parallel_calls(client):
+    r = client.chat.completions.create(model=NAME, messages=USER, tools=TOOLS, temperature=1.0, seed=1,
+                                       max_tokens=1500, tool_choice="required")
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) >= 1
+    assert len({t.id for t in c.message.tool_calls}) == len(c.message.tool_calls)
     for t in c.message.tool_calls:
         _check_call(t.function.name, t.function.arguments)
 
@@ -203,7 +214,8 @@ def test_required_tool_choice_always_calls_a_tool(client, seed):
 @needs_structured
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 def test_enforced_tool_choice_streams_the_same_call(client, choice):
-    kw = dict(messages=USER, tools=TOOLS, temperature=1.0, seed=7, max_tokens=200, tool_choice=choice)
+    kw = dict(messages=USER, tools=TOOLS, temperature=1.0, seed=7, max_tokens=200, tool_choice=choice,
+              parallel_tool_calls=False)
     r = client.chat.completions.create(model=NAME, **kw)
     want = [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls]
     content, calls, finish = _stream(client, **kw)
