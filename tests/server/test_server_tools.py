@@ -282,3 +282,14 @@ def test_bad_chat_template_file_names_the_file(tmp_path):
     p = subprocess.run([sys.executable, "-m", "appliance.cli", "serve", "--port", "1", "--chat-template", str(f)],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and f"--chat-template: the file {f} is not a valid Jinja template" in p.stderr, p.stderr
+
+
+def test_auto_tool_choice_without_the_flags_is_a_400(r1_server):
+    client = openai.OpenAI(base_url=f"{r1_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    for choice in ({}, {"tool_choice": "auto"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=NAME, messages=USER, tools=TOOLS, max_tokens=4, **choice)
+        assert "--enable-auto-tool-choice" in e.value.body["message"] and e.value.body["param"] == "tool_choice"
+    # "none" needs no parser, and the server keeps serving
+    r = client.chat.completions.create(model=NAME, messages=USER, tools=TOOLS, tool_choice="none", max_tokens=4)
+    assert r.choices[0].message.tool_calls is None
