@@ -116,8 +116,7 @@ def check_tools(tools: list | None) -> list[dict] | None:
     out = []
     for i, t in enumerate(tools):
         def bad(field_, msg):
-            raise OpenAIError(400, f"tools[{i}]{field_}: {msg}", param=f"tools.{i}{field_.replace('[', '.').replace(']', '')}",
-                              code="invalid_value")
+            raise OpenAIError(400, f"tools[{i}]{field_}: {msg}", param=f"tools.{i}{field_}", code="invalid_value")
 
         if not isinstance(t, dict):
             bad("", f"must be an object, got {_short(t)}")

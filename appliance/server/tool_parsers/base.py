@@ -293,10 +293,8 @@ def scan_call_object(s: str, i: int, final: bool, args_keys=("arguments", "param
     key = next((k for k in args_keys if k in o.members), None)
     if key is not None and s[o.members[key][0]] != "{":
         return CallScan(None, None, True)  # arguments must be an object
-    if name is None:
-        if o.invalid or o.end is not None or (final and not o.invalid):
-            return CallScan(None, None, True)
-        return CallScan(None, None, False)
+    if name is None:  # undecided until the name arrives; a closed or broken object without one is no call
+        return CallScan(None, None, o.invalid or o.end is not None or final)
     if key is None:
         if o.end is not None:
             return CallScan((name, "{}"), o.end, False)

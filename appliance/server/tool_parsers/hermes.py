@@ -2,8 +2,7 @@
 one block per call, possibly after some text."""
 from __future__ import annotations
 
-from appliance.server.tool_parsers.base import Scan, ToolParser, held_content, partial_marker_len, scan_call_object, \
-    skip_ws
+from appliance.server.tool_parsers.base import Scan, ToolParser, held_content, scan_call_object, skip_ws
 
 
 class HermesToolParser(ToolParser):
