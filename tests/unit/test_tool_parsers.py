@@ -53,7 +53,13 @@ CASES = [
      [("get_weather", W), ("get_time", {"tz": "UTC"})]),
     ("mistral", '[TOOL_CALLS] [{"name":"get_time","arguments":{"tz":"UTC"}}]', None, [("get_time", {"tz": "UTC"})]),
     ("mistral", "Paris is in France. [1]", "Paris is in France. [1]", []),
+    ("mistral", "[TOOL_CALLS] oops", "[TOOL_CALLS] oops", []),
     ("mistral", "[TOOL_CALLS]oops", "[TOOL_CALLS]oops", []),
+    # tokenizer v11+ (Mistral Small 3.2, Magistral): [TOOL_CALLS]name[ARGS]{...} per call
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]get_time[ARGS]'
+                '{"tz": "UTC"}', None, [("get_weather", W), ("get_time", {"tz": "UTC"})]),
+    ("mistral", 'I will check. [TOOL_CALLS]get_time[ARGS]{}', "I will check.", [("get_time", {})]),
+    ("mistral", "[TOOL_CALLS]get_time[ARGS]not json", "[TOOL_CALLS]get_time[ARGS]not json", []),
     # Pythonic (Llama 3.2 / 4): a Python list of calls, parsed with ast.
     ("pythonic", '[get_weather(city="Paris", unit="celsius"), get_time(tz=\'UTC\')]', None,
      [("get_weather", W), ("get_time", {"tz": "UTC"})]),
