@@ -293,3 +293,26 @@ def test_auto_tool_choice_without_the_flags_is_a_400(r1_server):
     # "none" needs no parser, and the server keeps serving
     r = client.chat.completions.create(model=NAME, messages=USER, tools=TOOLS, tool_choice="none", max_tokens=4)
     assert r.choices[0].message.tool_calls is None
+
+
+# The output forced (structured outputs, a regex) into Qwen's tool-call format, so tool_choice
+# "auto" meets real <tool_call> blocks: the hermes parser finds them, streamed and not.
+HERMES_REGEX = (r'[A-Z][a-z]{0,6}\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,8}", '
+                r'"unit": "(celsius|fahrenheit)"\}\}\n</tool_call>\n<tool_call>\n\{"name": "get_time", "arguments": '
+                r'\{"tz": "(UTC|CET)"\}\}\n</tool_call>')
+
+
+@needs_structured
+@pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 3)])
+def test_auto_parses_real_tool_call_blocks(client, temperature, seed):
+    kw = dict(messages=USER, tools=TOOLS, max_tokens=300, temperature=temperature, seed=seed,
+              extra_body={"structured_outputs": {"regex": HERMES_REGEX}})
+    r = client.chat.completions.create(model=NAME, **kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    assert c.message.content and c.message.content.endswith(".") and "\n" not in c.message.content
+    assert [t.function.name for t in c.message.tool_calls] == ["get_weather", "get_time"]
+    for t in c.message.tool_calls:
+        _check_call(t.function.name, t.function.arguments)
+    want = [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+    assert _stream(client, **kw) == (c.message.content, want, "tool_calls")
