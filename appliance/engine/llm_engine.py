@@ -174,11 +174,16 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"max_tokens={max_tokens} plus the prompt's {n_prompt} tokens is {n_prompt + max_tokens}, "
                 f"beyond max_model_len={self.max_model_len}", "max_tokens")
-        need = self.kv.blocks_needed(n_prompt + max_tokens)
+        # A windowed model's request holds only its window's blocks (plus one step's chunk) at a time.
+        max_chunk = self.config.max_num_batched_tokens
+        if self.config.long_prefill_token_threshold:
+            max_chunk = min(max_chunk, self.config.long_prefill_token_threshold)
+        need = self.kv.max_blocks_held(n_prompt + max_tokens, max_chunk)
         if need > self.kv.num_blocks:
             raise InvalidRequestError(
                 f"prompt ({n_prompt}) + max_tokens ({max_tokens}) needs {need} KV blocks of "
-                f"{self.config.block_size} tokens; the whole KV cache has {self.kv.num_blocks}", "max_tokens")
+                f"{self.config.block_size} tokens at once; the whole KV cache has {self.kv.num_blocks}",
+                "max_tokens")
         children = []
         for i in range(params.n):
             sp = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
