@@ -5,6 +5,19 @@ from appliance.engine.block_pool import NULL_BLOCK, BlockPool, KVBlock
 from appliance.engine.request import Request
 
 
+def max_blocks_held(num_tokens: int, block_size: int, sliding_window: int | None, max_chunk: int) -> int:
+    """The most blocks a request of ``num_tokens`` tokens (prompt + output) holds at once when no
+    step gives it more than ``max_chunk`` new tokens. Without windows (``sliding_window`` None) that
+    is all of them. With every layer windowed (W), a step at position c with a chunk of n tokens
+    keeps the blocks from the one holding c - W + 1 to the one holding c + n - 1: at most
+    cdiv(W + n - 2, bs) + 1. The engine's admission check and the server's 400 both use this."""
+    full = cdiv(num_tokens, block_size)
+    if sliding_window is None:
+        return full
+    n = max(1, min(max_chunk, num_tokens))
+    return min(full, cdiv(sliding_window + n - 2, block_size) + 1)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -121,15 +134,7 @@ class KVCacheManager:
         return max(0, position - self.sliding_window + 1) // self.block_size
 
     def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
-        """The most blocks a request of ``num_tokens`` tokens (prompt + output) holds at once when no
-        step gives it more than ``max_chunk`` new tokens. Without windows that is all of them. With
-        every layer windowed (W), a step at position c holding a chunk of n tokens keeps blocks from
-        the one holding c - W + 1 up to the one holding c + n - 1: at most cdiv(W + n - 2, bs) + 1."""
-        full = cdiv(num_tokens, self.block_size)
-        if self.sliding_window is None:
-            return full
-        n = max(1, min(max_chunk, num_tokens))
-        return min(full, cdiv(self.sliding_window + n - 2, self.block_size) + 1)
+        return max_blocks_held(num_tokens, self.block_size, self.sliding_window, max_chunk)
 
     def free(self, req: Request) -> None:
         self.pool.free([b for b in reversed(req.block_ids) if b != NULL_BLOCK])

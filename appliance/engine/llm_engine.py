@@ -142,6 +142,12 @@ class LLMEngine:
         self._next_id += 1
         return str(self._next_id - 1)
 
+    @property
+    def max_chunk_tokens(self) -> int:
+        """The most new tokens one step gives one request (the step budget, or the per-request cap)."""
+        c = self.config
+        return min(c.max_num_batched_tokens, c.long_prefill_token_threshold or c.max_num_batched_tokens)
+
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,
                     params: SamplingParams | None = None) -> str:
         """Validate, tokenize and queue a request. Raises InvalidRequestError (nothing is queued)."""
@@ -175,10 +181,7 @@ class LLMEngine:
                 f"max_tokens={max_tokens} plus the prompt's {n_prompt} tokens is {n_prompt + max_tokens}, "
                 f"beyond max_model_len={self.max_model_len}", "max_tokens")
         # A windowed model's request holds only its window's blocks (plus one step's chunk) at a time.
-        max_chunk = self.config.max_num_batched_tokens
-        if self.config.long_prefill_token_threshold:
-            max_chunk = min(max_chunk, self.config.long_prefill_token_threshold)
-        need = self.kv.max_blocks_held(n_prompt + max_tokens, max_chunk)
+        need = self.kv.max_blocks_held(n_prompt + max_tokens, self.max_chunk_tokens)
         if need > self.kv.num_blocks:
             raise InvalidRequestError(
                 f"prompt ({n_prompt}) + max_tokens ({max_tokens}) needs {need} KV blocks of "

@@ -139,6 +139,8 @@ def engine_info(engine) -> dict:
         "linear": getattr(runner, "linear_groups", {}),
         "num_kv_blocks": runner.num_blocks,
         "block_size": engine.config.block_size,
+        "kv_sliding_window": engine.kv.sliding_window,
+        "max_chunk_tokens": engine.max_chunk_tokens,
         "kv_cache_gib": runner.num_blocks * runner.bytes_per_block / (1 << 30),
         "max_model_len": engine.max_model_len,
         "vocab_size": engine.vocab_size,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from appliance.engine.kv_cache_manager import max_blocks_held
 from appliance.errors import InvalidRequestError
 from appliance.sampling_params import SamplingParams
 from appliance.server.async_engine import (
@@ -112,10 +113,10 @@ class OpenAIServing:
                                    f"{n} tokens and max_tokens is {max_tokens} ({n + max_tokens} in total)",
                               param="max_tokens", code="context_length_exceeded")
         bs, blocks = self.info["block_size"], self.info["num_kv_blocks"]
-        need = -(-(n + max_tokens) // bs)
+        need = max_blocks_held(n + max_tokens, bs, self.info["kv_sliding_window"], self.info["max_chunk_tokens"])
         if need > blocks:
             raise OpenAIError(400, f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) needs {need} KV blocks "
-                                   f"of {bs} tokens; the whole KV cache holds {blocks}", param="max_tokens")
+                                   f"of {bs} tokens at once; the whole KV cache holds {blocks}", param="max_tokens")
 
     @staticmethod
     def sampling_params(req, max_tokens, logprobs, prompt_logprobs=None) -> SamplingParams:
