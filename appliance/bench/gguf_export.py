@@ -35,7 +35,7 @@ import numpy as np
 from appliance.errors import ModelLoadError
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "Gemma3ForCausalLM": "gemma3"}
+                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
 DTYPES = ("float32", "float16", "bfloat16")
 # Bump when the written layout changes, so cached files are rewritten.
 _EXPORT_VERSION = 1
@@ -58,7 +58,7 @@ _LAYER = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
-# Gemma 3 (llama.cpp's conversion/gemma.py, Gemma3Model): four norms per layer, ffn_norm the pre-feed-forward one
+# Gemma 2 and 3 (llama.cpp's converter): four norms per layer, ffn_norm the pre-feed-forward one
 _GEMMA3_LAYER = {**_LAYER, "post_attention_layernorm.weight": "post_attention_norm.weight",
                  "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                  "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
@@ -68,7 +68,7 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
     """llama.cpp's name of an HF tensor; None for buffers llama.cpp does not store (rotary inv_freq)."""
     if hf_name in _GLOBAL:
         return _GLOBAL[hf_name]
-    layer = _GEMMA3_LAYER if arch == "gemma3" else _LAYER
+    layer = _GEMMA3_LAYER if arch in ("gemma2", "gemma3") else _LAYER
     parts = hf_name.split(".", 3)
     if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in layer:
         return f"blk.{int(parts[2])}.{layer[parts[3]]}"
@@ -208,18 +208,20 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype:
         w.add_rope_dimension_count(head_dim)
         w.add_rope_freq_base(float(rope_theta))
         w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
-        if head_dim != hidden // n_heads or arch == "gemma3":
+        if head_dim != hidden // n_heads or arch in ("gemma2", "gemma3"):
             w.add_key_length(head_dim)
             w.add_value_length(head_dim)
         if arch == "gemma3":
             _gemma3_metadata(w, config, local_rope, model_dir)
+        elif arch == "gemma2":
+            _gemma2_metadata(w, config, model_dir)
 
         vocab_rows = None
         for name, t in _load_tensors(model_dir):
             gname = gguf_name(name, arch)
             if gname is None or (tied and gname == "output.weight"):
                 continue
-            if arch == "gemma3" and gname.endswith("norm.weight"):
+            if arch in ("gemma2", "gemma3") and gname.endswith("norm.weight"):
                 t = t + np.float32(1.0)  # as llama.cpp's converter: the factor (1 + w) the norm multiplies by
             if gname == "token_embd.weight":
                 vocab_rows = t.shape[0]
@@ -256,6 +258,27 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype:
         Path(tmp).unlink(missing_ok=True)
         raise
     return out_path
+
+
+def _gemma2_metadata(w, config: dict, model_dir: Path) -> None:
+    """What llama.cpp reads for Gemma 2 beyond the common keys: the window and both soft-caps. llama.cpp
+    fixes the layer pattern (even layers local) and the softmax scale (1/sqrt(head_dim), or
+    1/sqrt(hidden / heads) at 46 layers): a model with others is refused."""
+    n_layers, head_dim = int(config["num_hidden_layers"]), int(config["head_dim"])
+    scalar = head_dim if n_layers != 46 else int(config["hidden_size"]) // int(config["num_attention_heads"])
+    if float(config.get("query_pre_attn_scalar", 256)) != scalar:
+        raise ModelLoadError(f"{model_dir}: query_pre_attn_scalar={config.get('query_pre_attn_scalar')} is not the "
+                             f"{scalar} llama.cpp assumes for {n_layers} layers; not exported to GGUF")
+    types = config.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                          for i in range(n_layers)]
+    if types != ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]:
+        raise ModelLoadError(f"{model_dir}: layer_types {types} are not Gemma 2's alternation llama.cpp assumes")
+    w.add_sliding_window(int(config.get("sliding_window") or 4096))
+    for key, add in (("attn_logit_softcapping", w.add_attn_logit_softcapping),
+                     ("final_logit_softcapping", w.add_final_logit_softcapping)):
+        if config.get(key) is None:  # llama.cpp would apply its default cap; the model has none
+            raise ModelLoadError(f"{model_dir}: {key}=None cannot be written for llama.cpp's Gemma 2")
+        add(float(config[key]))
 
 
 def _gemma3_metadata(w, config: dict, local_rope: dict | None, model_dir: Path) -> None:

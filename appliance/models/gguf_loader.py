@@ -47,7 +47,7 @@ from appliance.models import gguf_quants
 
 log = logging.getLogger("appliance")
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3")
 # mixture-of-experts architectures (their ffn_*_exps tensors load one expert at a time, see _tensor_plan);
 # llama with an expert_count is Mixtral
 MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "llama")
@@ -65,6 +65,7 @@ _HF_ARCH = {
     "mixtral": ("mixtral", "MixtralForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 _GLOBAL_TENSORS = {
@@ -101,12 +102,13 @@ _EXPERT_TENSORS = {
     "ffn_up_exps.weight": "up_proj.weight",
     "ffn_down_exps.weight": "down_proj.weight",
 }
-# Gemma 3's four norms per layer: llama.cpp's ffn_norm is the pre-feed-forward norm there.
-_LAYER_TENSORS_OF = {"gemma3": {**_LAYER_TENSORS, "post_attention_norm.weight": "post_attention_layernorm.weight",
-                                "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-                                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}}
+# Gemma 2's and 3's four norms per layer: llama.cpp's ffn_norm is the pre-feed-forward norm there.
+_GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "post_attention_norm.weight": "post_attention_layernorm.weight",
+                        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                        "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+_LAYER_TENSORS_OF = {"gemma2": _GEMMA_LAYER_TENSORS, "gemma3": _GEMMA_LAYER_TENSORS}
 # GGUF architecture -> what llama.cpp's converter added to every "*norm.weight" (Gemma: 1 + w)
-_NORM_SHIFT = {"gemma3": 1.0}
+_NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
 
 
 def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -338,6 +340,8 @@ def _build_configs(reader, meta: dict, path: Path) -> tuple[dict, dict]:
         config["rope_scaling"] = rope_scaling
     if arch == "gemma3":
         _gemma3_config(meta, config, path)
+    elif arch == "gemma2":
+        _gemma2_config(meta, config)
 
     generation_config = {}
     for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
@@ -439,6 +443,23 @@ def _gemma3_config(meta: dict, config: dict, path: Path) -> None:
     cap = meta.get(f"{a}.final_logit_softcapping")
     config["final_logit_softcapping"] = _f32(cap) if cap else None
     config["attn_logit_softcapping"] = None
+
+
+def _gemma2_config(meta: dict, config: dict) -> None:
+    """The Gemma 2 fields of ``config``, as llama.cpp reads the file (src/models/gemma2.cpp and its
+    hparams): every other layer local, starting with layer 0 (pattern 2), with ``attention.sliding_window``
+    (4096 when absent); both soft-caps from the file, 50 and 30 when absent; one rope base for all
+    layers; the softmax scale 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 46-layer (27B)
+    model, since the file does not record query_pre_attn_scalar."""
+    a, n_layers = "gemma2", config["num_hidden_layers"]
+    config.pop("hidden_act")
+    config["hidden_activation"] = "gelu_pytorch_tanh"
+    config["sliding_window"] = int(meta.get(f"{a}.attention.sliding_window", 0) or 4096)
+    config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+    config["attn_logit_softcapping"] = _f32(meta.get(f"{a}.attn_logit_softcapping", 50.0))
+    config["final_logit_softcapping"] = _f32(meta.get(f"{a}.final_logit_softcapping", 30.0))
+    config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"] if n_layers == 46
+                                       else config["head_dim"])
 
 
 def _rope_scaling(meta: dict, arch: str) -> dict | None:
