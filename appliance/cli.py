@@ -1,6 +1,7 @@
 """The ``appliance`` command: serve | generate | bench | doctor (each a typer command below)."""
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated, Optional
 
@@ -53,6 +54,9 @@ def serve(
     quant_group_size: Annotated[Optional[int], Opt(help="W4 group size along the input dimension.")] = None,
     long_prefill_token_threshold: Annotated[Optional[int], Opt(
         help="Cap on one request's prefill tokens per step (0: none).")] = None,
+    itl_target: Annotated[Optional[str], Opt(
+        help="While decodes run, cap each step's new prefill tokens so the step stays within this latency: "
+             "auto (2.5x the measured decode-only step; serve's default) | off | milliseconds.")] = None,
     num_threads: Annotated[Optional[int], Opt(help="Threads of the engine process (default: torch's).")] = None,
     allocator: Annotated[Optional[str], Opt(
         help="malloc of the engine process: mimalloc (LD_PRELOAD) | glibc-tuned | system.")] = None,
@@ -77,6 +81,8 @@ def serve(
         max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
         num_kv_blocks=num_kv_blocks, block_size=block_size, dtype=dtype, enable_prefix_caching=prefix_caching,
         attention_backend=attention_backend, long_prefill_token_threshold=long_prefill_token_threshold,
+        # a server streams: protect running decodes unless told otherwise (the offline LLM defaults off)
+        itl_target=itl_target if itl_target is not None else os.environ.get("APPLIANCE_ITL_TARGET", "auto"),
         linear_backend=linear_backend, quantization=quantization, quant_group_size=quant_group_size,
         num_threads=num_threads, seed=seed, allocator=allocator,
         omp_threads_bind=omp_threads_bind,

@@ -19,6 +19,7 @@ import torch
 
 from appliance.config import EngineConfig
 from appliance.engine.detokenizer import ChoiceText
+from appliance.engine.step_cost import parse_itl_target
 from appliance.engine.kv_cache_manager import KVCacheManager
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.request import FINISH_REASON, Request, RequestStatus
@@ -106,7 +107,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  self.runner.sliding_window)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.long_prefill_token_threshold)
+                                   self.max_model_len, config.long_prefill_token_threshold,
+                                   parse_itl_target(config.itl_target))
         self.sampler = Sampler(self.device, config.seed, argmax=self.runner.ops.argmax)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = self.info.eos_token_ids or (
@@ -245,6 +247,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         logits, plp = self.runner.execute(sched, plp_rows)
         t2 = time.perf_counter()
+        self.scheduler.step_cost.observe(sched.num_batched_tokens, t2 - t1)
         for i in plp_rows:
             self._record_prompt_logprobs(*sched.scheduled[i], plp[i])
         self.stats["prompt_tokens"] += sum(max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens)

@@ -123,6 +123,7 @@ def engine_stats(engine) -> dict:
         "prefix_cache_hits": pool.num_hits,
         "num_preemptions": engine.scheduler.num_preemptions,
         "steps": engine.stats["steps"],
+        "prefill_capped_steps": engine.scheduler.num_capped_steps,
     }
 
 
@@ -147,6 +148,7 @@ def engine_info(engine) -> dict:
         "max_num_seqs": engine.config.max_num_seqs,
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "prefix_caching": engine.config.enable_prefix_caching,
+        "itl_target": engine.config.itl_target,
         "num_threads": torch.get_num_threads(),
         "pid": os.getpid(),
     }

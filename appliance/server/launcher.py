@@ -121,6 +121,8 @@ def print_banner(engine_config: EngineConfig, server: ServerConfig, names: list[
     t.add_row("limits", f"max_model_len {info['max_model_len']}, max_num_seqs {info['max_num_seqs']}, "
                         f"max_num_batched_tokens {info['max_num_batched_tokens']}, max_queued_requests "
                         f"{server.max_queued_requests if server.max_queued_requests is not None else 'unlimited'}")
+    t.add_row("scheduling", f"itl_target {info.get('itl_target', 'off')} (while decodes run, new prompts are "
+                            f"chunked to keep each step within it)")
     t.add_row("auth", "API key required" if server.api_key else "none (set --api-key or APPLIANCE_API_KEY)")
     t.add_row("engine", f"core process pid {info['pid']}")
     if info.get("runtime"):
