@@ -76,6 +76,7 @@ class _SamplingFields(_Base):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's extension: logprobs of the prompt tokens
 
 
 class CompletionRequest(_SamplingFields):
