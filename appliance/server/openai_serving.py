@@ -28,7 +28,7 @@ from appliance.server.protocol import (
     ChatCompletionRequest, CompletionRequest, OpenAIError, message_dicts,
 )
 from appliance.generation_defaults import apply_defaults
-from appliance.server.vllm_extras import check_compat_probes, prompt_logprobs_json
+from appliance.server.vllm_extras import check_compat_probes, prompt_logprobs_json, top_k_of
 
 log = logging.getLogger("appliance.server")
 _DISCONNECT_POLL_S = 0.5
@@ -322,7 +322,10 @@ class OpenAIServing:
                 if req.logprobs is not None:
                     tok_ids, lps = list(c.token_ids), list(c.logprobs or [])
                     if req.echo:
-                        tok_ids, lps = list(ids) + tok_ids, list(prompt_lps[i] or [None] * len(ids)) + lps
+                        plp = list(prompt_lps[i] or [None] * len(ids))
+                        if params.prompt_logprobs != req.logprobs:  # prompt_logprobs asked for more alternatives
+                            plp = [top_k_of(d, t, req.logprobs) for d, t in zip(plp, ids)]
+                        tok_ids, lps = list(ids) + tok_ids, plp + lps
                     lp = self._completion_logprobs(tok_ids, lps, 0)
                 out.append({"index": len(out), "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                             "stop_reason": c.stop_reason})

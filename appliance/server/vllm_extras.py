@@ -44,3 +44,12 @@ def prompt_logprobs_json(lps: list | None, ids: list[int], k: int, k_engine: int
                 entry[str(t)] = {"logprob": lp, "rank": r, "decoded_token": token_str(t)}
         out.append(entry)
     return out
+
+
+def top_k_of(d: dict | None, tok: int, k: int) -> dict | None:
+    """``{token_id: logprob}`` cut to the top ``k`` plus ``tok`` (the engine computed more for
+    prompt_logprobs than echo's logprobs asked for)."""
+    if d is None:
+        return None
+    keep = {t for t, _ in sorted(d.items(), key=lambda kv: -kv[1])[:k]} | {tok}
+    return {t: v for t, v in d.items() if t in keep}

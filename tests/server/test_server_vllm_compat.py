@@ -350,3 +350,11 @@ def test_https(start_server, server_model_dir, tmp_path):
         assert "https://127.0.0.1" in srv.output()
     finally:
         assert srv.stop() == 0, srv.output()
+
+
+def test_prompt_logprobs_with_echo_keeps_echo_logprobs_width(http):
+    body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]
+    both = http.post("/v1/completions", json={**body, "prompt_logprobs": 4}).json()["choices"][0]
+    assert both["logprobs"] == plain["logprobs"]  # echo's top_logprobs still hold logprobs=1 alternatives
+    assert all(len(e) >= 4 for e in both["prompt_logprobs"][1:])
