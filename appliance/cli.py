@@ -5,6 +5,7 @@ import sys
 from typing import Annotated, Optional
 
 import typer
+import typer.core
 
 app = typer.Typer(help="appliance: an Arm-CPU-first LLM inference engine and OpenAI-compatible server.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -23,7 +24,16 @@ def _fail(message: str, code: int = 1):
 Opt = typer.Option
 
 
-@app.command()
+class _ServeCommand(typer.core.TyperCommand):
+    """Also takes vLLM's space-separated lists, ``serve MODEL --served-model-name a b --api-key k1 k2``."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        from appliance.vllm_compat import expand_multi_value_flags
+
+        return super().parse_args(ctx, expand_multi_value_flags(args))
+
+
+@app.command(cls=_ServeCommand)
 def serve(
     ctx: typer.Context,
     model: Annotated[Optional[str], typer.Argument(

@@ -35,6 +35,29 @@ def bytes_to_gib(n: int) -> float:
     return n / _GIB
 
 
+MULTI_VALUE_FLAGS = ("--served-model-name", "--api-key")  # vLLM: nargs="+"
+
+
+def expand_multi_value_flags(args: list[str]) -> list[str]:
+    """``MODEL --served-model-name a b`` -> ``MODEL --served-model-name a --served-model-name b``.
+    Only when MODEL comes first (vLLM's form): then no other positional can follow, so the extra
+    words are unambiguous; otherwise the arguments are left as they are."""
+    if not args or args[0].startswith("-"):
+        return args
+    out, i = [], 0
+    while i < len(args):
+        a = args[i]
+        out.append(a)
+        i += 1
+        if a in MULTI_VALUE_FLAGS and i < len(args):
+            out.append(args[i])
+            i += 1
+            while i < len(args) and not args[i].startswith("-"):
+                out += [a, args[i]]
+                i += 1
+    return out
+
+
 # ---- --config FILE.yaml ------------------------------------------------------------------------------
 
 def config_file_values(ctx, path: str) -> dict[str, object]:

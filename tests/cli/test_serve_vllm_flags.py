@@ -66,6 +66,23 @@ def test_several_served_names_and_api_keys(parse):
     assert server.api_keys == ["k1", "k2"]
 
 
+def test_space_separated_lists_as_vllm(parse):
+    # parse() puts the model first, as `vllm serve MODEL ...` does
+    want = parse("--served-model-name", "a", "--served-model-name", "b", "--api-key", "k1", "--api-key", "k2",
+                 "--port", "9001")
+    assert parse("--served-model-name", "a", "b", "--api-key", "k1", "k2", "--port", "9001") == want
+    assert want[1].served_model_names == ["a", "b"] and want[1].api_keys == ["k1", "k2"]
+
+
+def test_space_separated_lists_need_the_model_first():
+    from appliance.vllm_compat import expand_multi_value_flags
+
+    args = ["--served-model-name", "a", "MODEL"]  # MODEL is the positional here, not a second name
+    assert expand_multi_value_flags(args) == args
+    assert expand_multi_value_flags(["M", "--api-key", "x", "y", "--seed", "1"]) == \
+        ["M", "--api-key", "x", "--api-key", "y", "--seed", "1"]
+
+
 def test_server_flags(parse, tmp_path):
     key, cert = tmp_path / "k.pem", tmp_path / "c.pem"
     key.write_text("x")
