@@ -114,6 +114,9 @@ def serve(
             from_file = vllm_compat.config_file_values(ctx, config)
         except ApplianceError as e:
             _fail(str(e), 2)
+        missing = sorted(set(from_file) - set(_SERVE_PARAMS))
+        if missing:  # a parameter added to serve() but not to _SERVE_PARAMS: refuse rather than ignore
+            _fail(f"--config {config}: {', '.join(missing)} cannot be set from a config file; give it as a flag", 2)
         # Parameters of this function, rebound from the file (the command line already won there).
         a = {**ctx.params, **from_file}
         a = {k: (list(v) if isinstance(v, tuple) else v) for k, v in a.items()}

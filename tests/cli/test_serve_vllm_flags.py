@@ -166,3 +166,14 @@ def test_vllm_reserved_cpus(parse):
     assert threads.resolve(engine.omp_threads_bind, engine.num_threads).cpus == threads.resolve("auto").cpus[:-1]
     out = parse(env={"VLLM_CPU_NUM_OF_RESERVED_CPU": str(cores)}, expect_code=2)
     assert "leaves no core" in out
+
+
+def test_every_serve_parameter_can_come_from_the_config_file():
+    """--config rebinds serve()'s parameters through cli._SERVE_PARAMS; a flag added to serve()
+    without it would be refused from a file (this test names it)."""
+    import inspect
+
+    from appliance import cli
+
+    params = [p for p in inspect.signature(cli.serve).parameters if p not in ("ctx", "config")]
+    assert list(cli._SERVE_PARAMS) == params
