@@ -64,7 +64,8 @@ def serve(
     block_size: Annotated[Optional[int], Opt(help="Tokens per KV block.")] = None,
     dtype: Annotated[Optional[str], Opt(help="auto | float32 | bfloat16.")] = None,
     prefix_caching: Annotated[Optional[bool], Opt(
-        "--prefix-caching/--no-prefix-caching", "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV blocks of shared prompt prefixes.")] = None,
+        "--prefix-caching/--no-prefix-caching", "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="Reuse KV blocks of shared prompt prefixes.")] = None,
     attention_backend: Annotated[Optional[str], Opt(help="auto | native | reference.")] = None,
     linear_backend: Annotated[Optional[str], Opt(
         help="auto (measured per shape) | torch | onednn | native | w8a8_onednn | w8a8_native | w8a16_int8pack | w4a8_dynquant | w4a16_int4pack.")] = None,

@@ -4,9 +4,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from appliance.config import EngineConfig
+from appliance.engine.llm_engine import LLMEngine, RequestOutput
 from appliance.errors import InvalidRequestError
 from appliance.generation_defaults import load_generation_defaults
-from appliance.engine.llm_engine import LLMEngine, RequestOutput
 from appliance.sampling_params import SamplingParams
 
 
@@ -35,8 +35,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order. A prompt is a string or
-        a list of token ids. All prompts are validated before any is queued."""
+        """Run every prompt to completion; outputs come back in input order. A prompt is a string,
+        a list of token ids, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}`` (vLLM's forms);
+        ``prompts`` is one of them or a list mixing them. All prompts are validated before any is
+        queued. No ``sampling_params``: ``get_default_sampling_params()``."""
         if prompt_token_ids is not None:
             items = [list(p) for p in prompt_token_ids]
         else:
@@ -75,8 +77,8 @@ class LLM:
             kw["tools"] = tools
         if continue_final_message:
             kw["continue_final_message"] = True
-        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt and not continue_final_message,
-                                       tokenize=False, **kw)
+        text = tok.apply_chat_template(messages, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt and not continue_final_message, **kw)
         return tok.encode(text, add_special_tokens=False)
 
     def _run(self, items: list, params: list[SamplingParams]) -> list[RequestOutput]:

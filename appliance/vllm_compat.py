@@ -112,7 +112,8 @@ def config_file_values(ctx, path: str) -> dict[str, object]:
         try:
             out[param.name] = None if value is None else param.process_value(ctx, value)
         except Exception as e:  # noqa: BLE001 - click's (or typer's vendored click's) BadParameter
-            raise ApplianceError(f"--config {path}: bad value {value!r} for {key!r}: {getattr(e, 'message', e)}") from None
+            raise ApplianceError(
+                f"--config {path}: bad value {value!r} for {key!r}: {getattr(e, 'message', e)}") from None
     return out
 
 
