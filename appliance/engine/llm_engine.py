@@ -329,7 +329,8 @@ class LLMEngine:
             request_id=p.request_id, prompt=p.prompt, prompt_token_ids=p.prompt_token_ids, outputs=outs,
             finished=all(o.finished for o in outs), prompt_logprobs=first.prompt_logprobs,
             num_cached_tokens=max(first.num_cached_tokens, 0),
-            metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time})
+            metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time,
+                     "scheduled_time": first.scheduled_time})
 
     # -- introspection -------------------------------------------------------------------------
     def check_integrity(self) -> None:

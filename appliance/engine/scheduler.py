@@ -5,6 +5,7 @@ the output holds requests and counts, never tensors.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -153,6 +154,7 @@ class Scheduler:
                     break
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
+                    req.scheduled_time = time.monotonic()
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)

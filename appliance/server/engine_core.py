@@ -87,6 +87,7 @@ class RequestDelta:
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = None  # sent once, with the request's first delta
     first: bool = False
+    queue_time: float | None = None  # seconds from arrival in the core to first scheduled; first delta only
 
 
 @dataclass
@@ -202,8 +203,15 @@ class EngineCore:
             if out.finished:
                 del self.sent[out.request_id]
             deltas.append(RequestDelta(out.request_id, choices, out.finished, out.num_cached_tokens,
-                                       out.prompt_logprobs if first else None, first))
+                                       out.prompt_logprobs if first else None, first,
+                                       _queue_time(out.metrics) if first else None))
         return deltas
+
+
+def _queue_time(m: dict) -> float | None:
+    if m.get("scheduled_time") is None or m.get("arrival_time") is None:
+        return None
+    return m["scheduled_time"] - m["arrival_time"]
 
 
 def run_engine_core(config: EngineConfig, in_conn, out_conn, log_level: int = logging.INFO,
