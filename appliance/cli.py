@@ -128,7 +128,7 @@ def serve(
         (model, model_opt, tokenizer, host, port, served_model_name, api_key, max_model_len, max_num_seqs,
          max_num_batched_tokens, kv_cache_memory, kv_cache_memory_bytes, num_kv_blocks, block_size, dtype,
          prefix_caching, attention_backend, linear_backend, quantization, quant_group_size,
-         long_prefill_token_threshold, num_threads, allocator, omp_threads_bind, seed, max_queued_requests,
+         long_prefill_token_threshold, itl_target, num_threads, allocator, omp_threads_bind, seed, max_queued_requests,
          shutdown_timeout, log_level, uvicorn_log_level, allowed_origins, allowed_methods, allowed_headers,
          allow_credentials, ssl_keyfile, ssl_certfile, root_path, generation_config) = (
             a[k] for k in _SERVE_PARAMS)
@@ -182,8 +182,8 @@ def serve(
 _SERVE_PARAMS = ("model", "model_opt", "tokenizer", "host", "port", "served_model_name", "api_key", "max_model_len",
                  "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "kv_cache_memory_bytes",
                  "num_kv_blocks", "block_size", "dtype", "prefix_caching", "attention_backend", "linear_backend",
-                 "quantization", "quant_group_size", "long_prefill_token_threshold", "num_threads", "allocator",
-                 "omp_threads_bind", "seed", "max_queued_requests", "shutdown_timeout", "log_level",
+                 "quantization", "quant_group_size", "long_prefill_token_threshold", "itl_target", "num_threads",
+                 "allocator", "omp_threads_bind", "seed", "max_queued_requests", "shutdown_timeout", "log_level",
                  "uvicorn_log_level", "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials",
                  "ssl_keyfile", "ssl_certfile", "root_path", "generation_config")
 
