@@ -252,12 +252,20 @@ class _NamedScan:
         return Scan(calls=[(self.name, s)] if s else [])
 
 
+def _first_call(scan):
+    def first(text: str, final: bool) -> Scan:
+        s = scan(text, final)
+        return Scan(s.content, s.calls[:1])
+
+    return first
+
+
 # -- output ------------------------------------------------------------------------------------------
 
 class ChatOutput:
     """One choice's output: reasoning split off first, then tool calls parsed from the content."""
 
-    def __init__(self, opts: ChatOptions, choice: ToolChoice):
+    def __init__(self, opts: ChatOptions, choice: ToolChoice, parallel_tool_calls: bool | None = None):
         # An enforced tool call is the whole output (the constraint leaves no room for reasoning).
         self.reasoning = opts.reasoning_parser if choice.mode not in ("required", "named") else None
         self._has_reasoning_field = opts.reasoning_parser is not None
@@ -269,6 +277,9 @@ class ChatOutput:
             self._scan = _NamedScan(choice.name)
         else:
             self._scan = None
+        if self._scan is not None and parallel_tool_calls is False:
+            # at most one call: "required" is held to it by its schema; a parsed output keeps its first
+            self._scan = _first_call(self._scan)
         self._rs = self.reasoning.streamer() if self.reasoning else None
         self._ts = ToolStreamer(self._scan) if self._scan else None
 
