@@ -141,7 +141,8 @@ def serve(
          prefix_caching, attention_backend, linear_backend, quantization, quant_group_size,
          long_prefill_token_threshold, itl_target, num_threads, allocator, omp_threads_bind, seed, max_queued_requests,
          shutdown_timeout, log_level, uvicorn_log_level, allowed_origins, allowed_methods, allowed_headers,
-         allow_credentials, ssl_keyfile, ssl_certfile, root_path, generation_config) = (
+         allow_credentials, ssl_keyfile, ssl_certfile, root_path, generation_config, enable_auto_tool_choice,
+         tool_call_parser, reasoning_parser, chat_template, default_chat_template_kwargs) = (
             a[k] for k in _SERVE_PARAMS)
     if kv_cache_memory_bytes is not None:
         if kv_cache_memory is not None:

@@ -316,3 +316,11 @@ def test_auto_parses_real_tool_call_blocks(client, temperature, seed):
         _check_call(t.function.name, t.function.arguments)
     want = [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
     assert _stream(client, **kw) == (c.message.content, want, "tool_calls")
+
+
+def test_chat_flags_from_config_file(tmp_path):
+    f = tmp_path / "serve.yaml"
+    f.write_text("enable-auto-tool-choice: true\ntool-call-parser: nope\n")
+    p = subprocess.run([sys.executable, "-m", "appliance.cli", "serve", "--port", "1", "--config", str(f)],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--tool-call-parser must be one of" in p.stderr, p.stderr

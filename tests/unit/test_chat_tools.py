@@ -102,3 +102,16 @@ def test_chat_options_flags(tmp_path):
         ChatOptions.from_flags(default_chat_template_kwargs={"tools": []})
     assert err(template_kwargs, opts, {"add_generation_prompt": False}).param == \
         "chat_template_kwargs.add_generation_prompt"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_parsed_call():
+    from appliance.server.chat_tools import ChatOutput, ToolChoice
+
+    text = ('<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>')
+    both = ChatOutput(AUTO, ToolChoice("auto")).message(text)["tool_calls"]
+    assert [t["function"]["name"] for t in both] == ["a", "b"]
+    one = ChatOutput(AUTO, ToolChoice("auto"), parallel_tool_calls=False)
+    assert [t["function"]["name"] for t in one.message(text)["tool_calls"]] == ["a"]
+    deltas = [d for i in range(len(text)) for d in one.feed(text[i], final=i == len(text) - 1)]
+    assert {tc["index"] for d in deltas for tc in d.get("tool_calls", [])} == {0}
