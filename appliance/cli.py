@@ -59,6 +59,10 @@ def serve(
     omp_threads_bind: Annotated[Optional[str], Opt(
         help="Engine threads' CPUs: auto (physical cores of one NUMA node) | nobind | a list like 0-31.")] = None,
     seed: Annotated[Optional[int], Opt(help="Seed of unseeded sampling.")] = None,
+    runner: Annotated[Optional[str], Opt(
+        help="auto (pooling for an embedding architecture) | generate | pooling (/v1/embeddings).")] = None,
+    pooler_config: Annotated[Optional[str], Opt(
+        help='Pooling runner: JSON like {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": true}.')] = None,
     max_queued_requests: Annotated[Optional[int], Opt(
         help="Sequences allowed to wait beyond max_num_seqs; more get 503 (default: no limit).")] = None,
     shutdown_timeout: Annotated[float, Opt(help="Seconds in-flight requests get to finish on SIGTERM.")] = 30.0,
@@ -79,7 +83,7 @@ def serve(
         attention_backend=attention_backend, long_prefill_token_threshold=long_prefill_token_threshold,
         linear_backend=linear_backend, quantization=quantization, quant_group_size=quant_group_size,
         num_threads=num_threads, seed=seed, allocator=allocator,
-        omp_threads_bind=omp_threads_bind,
+        omp_threads_bind=omp_threads_bind, runner=runner, pooler_config=pooler_config,
     )
     try:
         # Only flags given on the command line; unset ones come from APPLIANCE_* or the defaults.
