@@ -37,7 +37,7 @@ QWEN3_0_6B = {"vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 30
               "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True, "bos_token_id": 151643,
               "eos_token_id": 151645}
 SMOKE = {"vocab_size": 32768, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "bos_token_id": 1, "eos_token_id": 2}
 MODELS_VERSION = 1
 
 
