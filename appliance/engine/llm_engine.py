@@ -175,8 +175,8 @@ class LLMEngine:
                                  f"supports the Llama-family decoders (LlamaModel, MistralModel, Qwen2Model, "
                                  f"Qwen3Model and their *ForCausalLM)")
         self.info = dataclasses.replace(self.info, architecture=pooled)
-        path = self.model_path if self.model_path.is_dir() else self.model_path.parent
-        return resolve_pooler_config(path, self.config.pooler_config)
+        # a GGUF file carries no sentence-transformers modules: only --pooler-config and the defaults
+        return resolve_pooler_config(self.model_path if self.model_path.is_dir() else None, self.config.pooler_config)
 
     def _turn_end_ids(self) -> tuple[int, ...]:
         """The ids of the family's end-of-turn tokens this tokenizer has (``registry.turn_end_tokens``)

@@ -71,9 +71,11 @@ def parse_pooler_config(value) -> dict:
     return out
 
 
-def sentence_transformers_config(path: Path) -> dict:
+def sentence_transformers_config(path: Path | None) -> dict:
     """What a sentence-transformers checkpoint's modules.json says: its Pooling module's mode and
-    whether a Normalize module follows. {} when there is no modules.json (or path is a file)."""
+    whether a Normalize module follows. {} when there is no modules.json (or no directory)."""
+    if path is None:
+        return {}
     modules_file = Path(path) / "modules.json"
     if not modules_file.is_file():
         return {}
@@ -102,7 +104,7 @@ def sentence_transformers_config(path: Path) -> dict:
     return out
 
 
-def resolve_pooler_config(path: Path, user) -> PoolerConfig:
+def resolve_pooler_config(path: Path | None, user) -> PoolerConfig:
     return PoolerConfig(**{**sentence_transformers_config(path), **parse_pooler_config(user)})
 
 

@@ -166,3 +166,18 @@ def test_runner_mismatches_are_refused(base_dir, llama_dir):
         LLM(str(path), pooler_config={"pooling_type": "max"})
     with pytest.raises(InvalidRequestError, match="runner must be one of auto, generate, pooling"):
         LLM(str(path), runner="embed")
+
+
+def test_preempted_pooling_requests_recompute_to_the_same_vectors(base_dir):
+    """A KV cache too small for every prompt at once: pooling requests are preempted mid-prompt and
+    recomputed from position 0; the pooler restarts with them."""
+    path = base_dir("llama")
+    cfg = {"pooling_type": "MEAN", "normalize": False}
+    prompts = [PROMPTS[1], PROMPTS[1] + " again", PROMPTS[0] * 3, PROMPTS[2] * 2]
+    # 8-token chunks of all four admitted at once, then growing past 12 blocks of 4 tokens
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=12, block_size=4, long_prefill_token_threshold=8,
+              pooler_config=cfg)
+    outs = llm.embed(prompts)
+    assert llm.engine.scheduler.num_preemptions > 0
+    check(outs, path, "MEAN", False)
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.num_blocks
