@@ -121,6 +121,10 @@ def print_banner(engine_config: EngineConfig, server: ServerConfig, names: list[
     t.add_row("limits", f"max_model_len {info['max_model_len']}, max_num_seqs {info['max_num_seqs']}, "
                         f"max_num_batched_tokens {info['max_num_batched_tokens']}, max_queued_requests "
                         f"{server.max_queued_requests if server.max_queued_requests is not None else 'unlimited'}")
+    if info.get("runner") == "pooling":
+        pc = info.get("pooler_config") or {}
+        t.add_row("runner", f"pooling: /v1/embeddings ({pc.get('pooling_type')}, "
+                            f"{'normalized' if pc.get('normalize') else 'not normalized'})")
     t.add_row("auth", "API key required" if server.api_key else "none (set --api-key or APPLIANCE_API_KEY)")
     t.add_row("engine", f"core process pid {info['pid']}")
     if info.get("runtime"):
