@@ -1,10 +1,12 @@
 """The ``appliance`` command: serve | generate | bench | doctor (each a typer command below)."""
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated, Optional
 
 import typer
+import typer.core
 
 app = typer.Typer(help="appliance: an Arm-CPU-first LLM inference engine and OpenAI-compatible server.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -23,29 +25,48 @@ def _fail(message: str, code: int = 1):
 Opt = typer.Option
 
 
-@app.command()
+class _ServeCommand(typer.core.TyperCommand):
+    """Also takes vLLM's space-separated lists, ``serve MODEL --served-model-name a b --api-key k1 k2``."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        from appliance.vllm_compat import expand_multi_value_flags
+
+        return super().parse_args(ctx, expand_multi_value_flags(args))
+
+
+@app.command(cls=_ServeCommand)
 def serve(
+    ctx: typer.Context,
     model: Annotated[Optional[str], typer.Argument(
         help="HF model directory or .gguf file; default: the embedded model")] = None,
     model_opt: Annotated[Optional[str], Opt("--model", help="Same as the MODEL argument.")] = None,
     tokenizer: Annotated[Optional[str], Opt(help="Tokenizer directory (default: the model's).")] = None,
     host: Annotated[str, Opt(envvar="APPLIANCE_HOST", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, Opt(help="Port to listen on.")] = 8000,
-    served_model_name: Annotated[Optional[str], Opt(help="Model name clients use (default: MODEL).")] = None,
-    api_key: Annotated[Optional[str], Opt(
+    served_model_name: Annotated[Optional[list[str]], Opt(
+        help="Model name clients use (default: MODEL); repeat for several names, all answer, the first is "
+             "reported.")] = None,
+    api_key: Annotated[Optional[list[str]], Opt(
         envvar="APPLIANCE_API_KEY", show_envvar=True,
-        help="Require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize.")] = None,
+        help="Require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize; repeat for several "
+             "keys (any one authorises). Also read from VLLM_API_KEY.")] = None,
     max_model_len: Annotated[Optional[int], Opt(help="Context length (default: the model's).")] = None,
     max_num_seqs: Annotated[Optional[int], Opt(help="Most sequences in one batch.")] = None,
     max_num_batched_tokens: Annotated[Optional[int], Opt(help="Token budget of one step.")] = None,
     kv_cache_memory: Annotated[Optional[float], Opt(
-        help="KV cache size in GiB (default: 1/4 of free RAM, at most 4).")] = None,
+        help="KV cache size in GiB (default: 1/4 of free RAM, at most 4). Also read from "
+             "VLLM_CPU_KVCACHE_SPACE.")] = None,
+    kv_cache_memory_bytes: Annotated[Optional[str], Opt(
+        help="vLLM's spelling: KV cache size in bytes; suffixes k/m/g/t are decimal, K/M/G/T binary "
+             "(4G = 4 GiB).")] = None,
     num_kv_blocks: Annotated[Optional[int], Opt(
+        "--num-kv-blocks", "--num-gpu-blocks-override",
         help="Exact number of KV blocks (overrides --kv-cache-memory).")] = None,
     block_size: Annotated[Optional[int], Opt(help="Tokens per KV block.")] = None,
     dtype: Annotated[Optional[str], Opt(help="auto | float32 | bfloat16.")] = None,
     prefix_caching: Annotated[Optional[bool], Opt(
-        "--prefix-caching/--no-prefix-caching", help="Reuse KV blocks of shared prompt prefixes.")] = None,
+        "--prefix-caching/--no-prefix-caching", "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="Reuse KV blocks of shared prompt prefixes.")] = None,
     attention_backend: Annotated[Optional[str], Opt(help="auto | native | reference.")] = None,
     linear_backend: Annotated[Optional[str], Opt(
         help="auto (measured per shape) | torch | onednn | native | w8a8_onednn | w8a8_native | w8a16_int8pack | w4a8_dynquant | w4a16_int4pack.")] = None,
@@ -53,11 +74,16 @@ def serve(
     quant_group_size: Annotated[Optional[int], Opt(help="W4 group size along the input dimension.")] = None,
     long_prefill_token_threshold: Annotated[Optional[int], Opt(
         help="Cap on one request's prefill tokens per step (0: none).")] = None,
+    itl_target: Annotated[Optional[str], Opt(
+        help="While decodes run, cap each step's new prefill tokens so the step stays within this latency: "
+             "auto (2.5x the measured decode-only step; serve's default) | off | milliseconds.")] = None,
     num_threads: Annotated[Optional[int], Opt(help="Threads of the engine process (default: torch's).")] = None,
     allocator: Annotated[Optional[str], Opt(
         help="malloc of the engine process: mimalloc (LD_PRELOAD) | glibc-tuned | system.")] = None,
     omp_threads_bind: Annotated[Optional[str], Opt(
-        help="Engine threads' CPUs: auto (physical cores of one NUMA node) | nobind | a list like 0-31.")] = None,
+        help="Engine threads' CPUs: auto (physical cores of one NUMA node) | nobind | a list like 0-31. "
+             "Also read from VLLM_CPU_OMP_THREADS_BIND; VLLM_CPU_NUM_OF_RESERVED_CPU=N leaves N of those "
+             "cores to the frontend.")] = None,
     seed: Annotated[Optional[int], Opt(help="Seed of unseeded sampling.")] = None,
     runner: Annotated[Optional[str], Opt(
         help="auto (pooling for an embedding architecture) | generate | pooling (/v1/embeddings).")] = None,
@@ -67,12 +93,58 @@ def serve(
         help="Sequences allowed to wait beyond max_num_seqs; more get 503 (default: no limit).")] = None,
     shutdown_timeout: Annotated[float, Opt(help="Seconds in-flight requests get to finish on SIGTERM.")] = 30.0,
     log_level: Annotated[str, Opt(help="debug | info | warning | error.")] = "info",
+    uvicorn_log_level: Annotated[Optional[str], Opt(
+        help="Log level of uvicorn's own loggers (default: --log-level).")] = None,
+    allowed_origins: Annotated[Optional[list[str]], Opt(
+        help="CORS: an allowed origin, or a JSON list like '[\"*\"]' as vLLM takes it; repeatable. "
+             "CORS is off unless given.")] = None,
+    allowed_methods: Annotated[Optional[list[str]], Opt(help="CORS: allowed methods (default: all).")] = None,
+    allowed_headers: Annotated[Optional[list[str]], Opt(help="CORS: allowed headers (default: all).")] = None,
+    allow_credentials: Annotated[bool, Opt(help="CORS: allow credentials.")] = False,
+    ssl_keyfile: Annotated[Optional[str], Opt(help="HTTPS: the private key file (PEM).")] = None,
+    ssl_certfile: Annotated[Optional[str], Opt(help="HTTPS: the certificate file (PEM).")] = None,
+    root_path: Annotated[Optional[str], Opt(
+        help="The URL prefix a path-routing proxy serves this server under (FastAPI's root_path).")] = None,
+    generation_config: Annotated[str, Opt(
+        help="auto: the model's generation_config.json (or a GGUF's general.sampling.* keys) gives default "
+             "temperature/top_p/top_k/min_p/repetition_penalty and a max_tokens cap; vllm: ignore it.")] = "auto",
+    config: Annotated[Optional[str], Opt(
+        help="YAML file of flag values (keys: flag names, e.g. max-model-len: 4096); flags given here win.")] = None,
 ):
     """Serve a model over an OpenAI-compatible HTTP API."""
     from appliance.config import EngineConfig
     from appliance.errors import ApplianceError
     from appliance.server.launcher import ServerConfig, serve as run_server
 
+    from appliance import vllm_compat
+
+    if config is not None:
+        try:
+            from_file = vllm_compat.config_file_values(ctx, config)
+        except ApplianceError as e:
+            _fail(str(e), 2)
+        missing = sorted(set(from_file) - set(_SERVE_PARAMS))
+        if missing:  # a parameter added to serve() but not to _SERVE_PARAMS: refuse rather than ignore
+            _fail(f"--config {config}: {', '.join(missing)} cannot be set from a config file; give it as a flag", 2)
+        # Parameters of this function, rebound from the file (the command line already won there).
+        a = {**ctx.params, **from_file}
+        a = {k: (list(v) if isinstance(v, tuple) else v) for k, v in a.items()}
+        (model, model_opt, tokenizer, host, port, served_model_name, api_key, max_model_len, max_num_seqs,
+         max_num_batched_tokens, kv_cache_memory, kv_cache_memory_bytes, num_kv_blocks, block_size, dtype,
+         prefix_caching, attention_backend, linear_backend, quantization, quant_group_size,
+         long_prefill_token_threshold, itl_target, num_threads, allocator, omp_threads_bind, seed, max_queued_requests,
+         shutdown_timeout, log_level, uvicorn_log_level, allowed_origins, allowed_methods, allowed_headers,
+         allow_credentials, ssl_keyfile, ssl_certfile, root_path, generation_config) = (
+            a[k] for k in _SERVE_PARAMS)
+    if kv_cache_memory_bytes is not None:
+        if kv_cache_memory is not None:
+            _fail(f"give one of --kv-cache-memory ({kv_cache_memory} GiB) and --kv-cache-memory-bytes "
+                  f"({kv_cache_memory_bytes}), not both", 2)
+        try:
+            kv_cache_memory = vllm_compat.bytes_to_gib(
+                vllm_compat.parse_size("--kv-cache-memory-bytes", kv_cache_memory_bytes))
+        except ApplianceError as e:
+            _fail(str(e), 2)
     if model is not None and model_opt is not None and model != model_opt:
         _fail(f"the model is given twice: {model!r} and --model {model_opt!r}", 2)
     model = model if model is not None else model_opt
@@ -81,17 +153,26 @@ def serve(
         max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
         num_kv_blocks=num_kv_blocks, block_size=block_size, dtype=dtype, enable_prefix_caching=prefix_caching,
         attention_backend=attention_backend, long_prefill_token_threshold=long_prefill_token_threshold,
+        # a server streams: protect running decodes unless told otherwise (the offline LLM defaults off)
+        itl_target=itl_target if itl_target is not None else os.environ.get("APPLIANCE_ITL_TARGET", "auto"),
         linear_backend=linear_backend, quantization=quantization, quant_group_size=quant_group_size,
         num_threads=num_threads, seed=seed, allocator=allocator,
         omp_threads_bind=omp_threads_bind, runner=runner, pooler_config=pooler_config,
     )
     try:
+        engine_kwargs.update(vllm_compat.vllm_env_engine_kwargs(engine_kwargs))
         # Only flags given on the command line; unset ones come from APPLIANCE_* or the defaults.
         engine_config = EngineConfig.from_kwargs(**{k: v for k, v in engine_kwargs.items()
                                                     if v is not None or k == "model"})
-        server_config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
+        server_config = ServerConfig(host=host, port=port, served_model_name=served_model_name or None,
+                                     api_key=api_key or vllm_compat.vllm_env_api_keys() or None,
                                      max_queued_requests=max_queued_requests, shutdown_timeout=shutdown_timeout,
-                                     log_level=log_level.lower())
+                                     log_level=log_level.lower(),
+                                     uvicorn_log_level=uvicorn_log_level.lower() if uvicorn_log_level else None,
+                                     allowed_origins=allowed_origins or None, allowed_methods=allowed_methods or None,
+                                     allowed_headers=allowed_headers or None, allow_credentials=allow_credentials,
+                                     ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile, root_path=root_path or "",
+                                     generation_config=generation_config)
     except ApplianceError as e:
         _fail(str(e), 2)
     try:
@@ -99,6 +180,16 @@ def serve(
     except ApplianceError as e:
         _fail(str(e), 1)
     raise typer.Exit(code)
+
+
+# serve's parameters in signature order (for rebinding them from --config)
+_SERVE_PARAMS = ("model", "model_opt", "tokenizer", "host", "port", "served_model_name", "api_key", "max_model_len",
+                 "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "kv_cache_memory_bytes",
+                 "num_kv_blocks", "block_size", "dtype", "prefix_caching", "attention_backend", "linear_backend",
+                 "quantization", "quant_group_size", "long_prefill_token_threshold", "itl_target", "num_threads",
+                 "allocator", "omp_threads_bind", "seed", "max_queued_requests", "shutdown_timeout", "log_level",
+                 "uvicorn_log_level", "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials",
+                 "ssl_keyfile", "ssl_certfile", "root_path", "generation_config")
 
 
 @app.command()

@@ -45,6 +45,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0  # 0: no extra per-request cap beyond the budget
+    # Step-latency target while decodes run: "off", "auto" or milliseconds (engine/step_cost.py).
+    # Off for the offline LLM (throughput); `serve` defaults to auto (streaming users never freeze).
+    itl_target: str = "off"
     attention_backend: str = "auto"
     linear_backend: str = "auto"
     quantization: str = "none"  # quantize a float checkpoint at load (pre-quantized ones say so themselves)
@@ -98,6 +101,12 @@ class EngineConfig:
                 f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}",
                 "long_prefill_token_threshold",
             )
+        from appliance.engine.step_cost import parse_itl_target
+
+        try:
+            parse_itl_target(self.itl_target)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "itl_target") from None
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise InvalidRequestError(
                 f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}", "kv_cache_memory"

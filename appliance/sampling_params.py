@@ -104,6 +104,8 @@ class SamplingParams:
                 bad(name, f"must be an integer in [0, 20], got {v!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and not -(2**63) <= self.seed <= 2**63 - 1:
+            bad("seed", f"must be in the int64 range [{-(2**63)}, {2**63 - 1}], got {self.seed}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or s == "" for s in stop):
             bad("stop", f"must be non-empty strings, got {stop!r}")

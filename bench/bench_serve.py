@@ -38,7 +38,7 @@ from appliance.bench.loadgen import LoadConfig, run_level_async
 from appliance.bench.servers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-ENGINE_FLAGS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory",
+ENGINE_FLAGS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory", "itl_target",
                 "num_threads", "block_size", "max_model_len")
 
 
@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     for k in ENGINE_FLAGS:
-        kind = float if k == "kv_cache_memory" else (str if k == "dtype" else int)
+        kind = float if k == "kv_cache_memory" else (str if k in ("dtype", "itl_target") else int)
         ap.add_argument(f"--{k.replace('_', '-')}", type=kind)
     args = ap.parse_args()
     if args.smoke:

@@ -35,8 +35,8 @@ import numpy as np
 from appliance.errors import ModelLoadError
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "Gemma3ForCausalLM": "gemma3"}
-DTYPES = ("float32", "float16", "bfloat16")
+                 "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+DTYPES = ("float32", "float16", "bfloat16", "q8_0")
 # Bump when the written layout changes, so cached files are rewritten.
 _EXPORT_VERSION = 1
 
@@ -58,17 +58,21 @@ _LAYER = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
-# Gemma 3 (llama.cpp's conversion/gemma.py, Gemma3Model): four norms per layer, ffn_norm the pre-feed-forward one
+# Gemma 2 and 3 (llama.cpp's converter): four norms per layer, ffn_norm the pre-feed-forward one
 _GEMMA3_LAYER = {**_LAYER, "post_attention_layernorm.weight": "post_attention_norm.weight",
                  "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                  "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+
+
+# Phi-3 (llama.cpp's Phi3MiniModel): the checkpoint's fused tensors as they are
+_PHI3_LAYER = {**_LAYER, "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
 
 
 def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
     """llama.cpp's name of an HF tensor; None for buffers llama.cpp does not store (rotary inv_freq)."""
     if hf_name in _GLOBAL:
         return _GLOBAL[hf_name]
-    layer = _GEMMA3_LAYER if arch == "gemma3" else _LAYER
+    layer = {"gemma2": _GEMMA3_LAYER, "gemma3": _GEMMA3_LAYER, "phi3": _PHI3_LAYER}.get(arch, _LAYER)
     parts = hf_name.split(".", 3)
     if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in layer:
         return f"blk.{int(parts[2])}.{layer[parts[3]]}"
@@ -160,7 +164,7 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype:
                pre: str | None = None) -> Path:
     """Write ``model_dir`` (HF config.json + safetensors + tokenizer.json) as a GGUF at ``out_path``.
 
-    ``dtype``: how 2-D weights are stored (float32 | float16 | bfloat16). ``pre``: llama.cpp's
+    ``dtype``: how 2-D weights are stored (float32 | float16 | bfloat16 | q8_0, llama.cpp's 8-bit blocks). ``pre``: llama.cpp's
     pre-tokenizer name (default: see the module docstring). The file is written next to
     ``out_path`` and renamed into place."""
     import gguf
@@ -178,9 +182,10 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype:
     local_rope = None
     if arch == "gemma3" and "full_attention" in rope:  # per layer type (transformers 5)
         rope, local_rope = rope["full_attention"], rope.get("sliding_attention") or {}
-    if config.get("rope_scaling") or rope.get("rope_type", "default") != "default" or \
-            (local_rope or {}).get("rope_type", "default") != "default":
-        raise ModelLoadError(f"{model_dir}: rope scaling is not exported to GGUF")
+    scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    longrope = arch == "phi3" and scaling is not None and scaling.get("rope_type", scaling.get("type")) == "longrope"
+    if (scaling and not longrope) or (local_rope or {}).get("rope_type", "default") != "default":
+        raise ModelLoadError(f"{model_dir}: rope scaling is not exported to GGUF (except Phi-3's longrope)")
     hidden, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     n_kv = int(config.get("num_key_value_heads") or n_heads)
     head_dim = int(config.get("head_dim") or hidden // n_heads)
@@ -188,9 +193,9 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype:
     tied = bool(config.get("tie_word_embeddings", False))
 
     qtype = {"float32": gguf.GGMLQuantizationType.F32, "float16": gguf.GGMLQuantizationType.F16,
-             "bfloat16": gguf.GGMLQuantizationType.BF16}[dtype]
+             "bfloat16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[dtype]
     ftype = {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
-             "bfloat16": gguf.LlamaFileType.MOSTLY_BF16}[dtype]
+             "bfloat16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
@@ -205,21 +210,26 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype:
         w.add_feed_forward_length(int(config["intermediate_size"]))
         w.add_head_count(n_heads)
         w.add_head_count_kv(n_kv)
-        w.add_rope_dimension_count(head_dim)
+        rot_dim = int(head_dim * float(config.get("partial_rotary_factor", 1.0)))
+        w.add_rope_dimension_count(rot_dim)
         w.add_rope_freq_base(float(rope_theta))
         w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
-        if head_dim != hidden // n_heads or arch == "gemma3":
+        if head_dim != hidden // n_heads or arch in ("gemma2", "gemma3"):
             w.add_key_length(head_dim)
             w.add_value_length(head_dim)
         if arch == "gemma3":
             _gemma3_metadata(w, config, local_rope, model_dir)
+        elif arch == "gemma2":
+            _gemma2_metadata(w, config, model_dir)
+        elif arch == "phi3":
+            _phi3_metadata(w, config, scaling if longrope else None, rot_dim)
 
         vocab_rows = None
         for name, t in _load_tensors(model_dir):
             gname = gguf_name(name, arch)
             if gname is None or (tied and gname == "output.weight"):
                 continue
-            if arch == "gemma3" and gname.endswith("norm.weight"):
+            if arch in ("gemma2", "gemma3") and gname.endswith("norm.weight"):
                 t = t + np.float32(1.0)  # as llama.cpp's converter: the factor (1 + w) the norm multiplies by
             if gname == "token_embd.weight":
                 vocab_rows = t.shape[0]
@@ -256,6 +266,51 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype:
         Path(tmp).unlink(missing_ok=True)
         raise
     return out_path
+
+
+def _phi3_metadata(w, config: dict, longrope: dict | None, rot_dim: int) -> None:
+    """What llama.cpp's converter writes for Phi-3: the window, and for longrope the original context,
+    the attention factor (transformers' default when the config has none) and the two factor tensors."""
+    import math
+
+    if config.get("sliding_window"):
+        w.add_sliding_window(int(config["sliding_window"]))
+    if longrope is None:
+        return
+    original = int(config.get("original_max_position_embeddings")
+                   or longrope.get("original_max_position_embeddings"))
+    scale = int(config["max_position_embeddings"]) / original
+    attn = longrope.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original))
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_rope_scaling_attn_factors(float(attn))
+    for key in ("long_factor", "short_factor"):
+        f = np.asarray(longrope[key], dtype=np.float32)
+        if f.shape != (rot_dim // 2,):
+            raise ModelLoadError(f"longrope {key} has {f.shape[0]} entries, expected {rot_dim // 2}")
+        w.add_tensor(f"rope_factors_{key.split('_')[0]}.weight", f)
+
+
+def _gemma2_metadata(w, config: dict, model_dir: Path) -> None:
+    """What llama.cpp reads for Gemma 2 beyond the common keys: the window and both soft-caps. llama.cpp
+    fixes the layer pattern (even layers local) and the softmax scale (1/sqrt(head_dim), or
+    1/sqrt(hidden / heads) at 46 layers): a model with others is refused."""
+    n_layers, head_dim = int(config["num_hidden_layers"]), int(config["head_dim"])
+    scalar = head_dim if n_layers != 46 else int(config["hidden_size"]) // int(config["num_attention_heads"])
+    if float(config.get("query_pre_attn_scalar", 256)) != scalar:
+        raise ModelLoadError(f"{model_dir}: query_pre_attn_scalar={config.get('query_pre_attn_scalar')} is not the "
+                             f"{scalar} llama.cpp assumes for {n_layers} layers; not exported to GGUF")
+    types = config.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                          for i in range(n_layers)]
+    if types != ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]:
+        raise ModelLoadError(f"{model_dir}: layer_types {types} are not Gemma 2's alternation llama.cpp assumes")
+    w.add_sliding_window(int(config.get("sliding_window") or 4096))
+    for key, add in (("attn_logit_softcapping", w.add_attn_logit_softcapping),
+                     ("final_logit_softcapping", w.add_final_logit_softcapping)):
+        if config.get(key) is None:  # llama.cpp would apply its default cap; the model has none
+            raise ModelLoadError(f"{model_dir}: {key}=None cannot be written for llama.cpp's Gemma 2")
+        add(float(config[key]))
 
 
 def _gemma3_metadata(w, config: dict, local_rope: dict | None, model_dir: Path) -> None:

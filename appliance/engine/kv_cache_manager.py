@@ -5,6 +5,19 @@ from appliance.engine.block_pool import NULL_BLOCK, BlockPool, KVBlock
 from appliance.engine.request import Request
 
 
+def max_blocks_held(num_tokens: int, block_size: int, sliding_window: int | None, max_chunk: int) -> int:
+    """The most blocks a request of ``num_tokens`` tokens (prompt + output) holds at once when no
+    step gives it more than ``max_chunk`` new tokens. Without windows (``sliding_window`` None) that
+    is all of them. With every layer windowed (W), a step at position c with a chunk of n tokens
+    keeps the blocks from the one holding c - W + 1 to the one holding c + n - 1: at most
+    cdiv(W + n - 2, bs) + 1. The engine's admission check and the server's 400 both use this."""
+    full = cdiv(num_tokens, block_size)
+    if sliding_window is None:
+        return full
+    n = max(1, min(max_chunk, num_tokens))
+    return min(full, cdiv(sliding_window + n - 2, block_size) + 1)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -62,13 +75,19 @@ class KVCacheManager:
         num_computed = req.num_computed_tokens + len(computed_blocks) * bs
         total_blocks = cdiv(num_computed + num_new_tokens, bs)
         num_required = total_blocks - len(req.block_ids) - len(computed_blocks)
+        # With every layer windowed, hit blocks wholly before the next query's window are never read:
+        # they stay where they are (cached, not held) and the table gets NULL_BLOCK in their place,
+        # so a long cached prefix costs no more blocks than a fresh one (the admission bound holds).
+        skip = min(len(computed_blocks), self._num_out_of_window(num_computed))
+        held = computed_blocks[skip:]
         # Hit blocks with no references sit in the free queue: taking them uses up free blocks.
-        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        num_revived = sum(1 for b in held if b.ref_cnt == 0)
         if num_required > self.pool.num_free_blocks - num_revived:
             return False
         if computed_blocks:
-            self.pool.touch(computed_blocks)
-            req.block_ids.extend(b.block_id for b in computed_blocks)
+            self.pool.touch(held)
+            req.block_ids.extend([NULL_BLOCK] * skip)
+            req.block_ids.extend(b.block_id for b in held)
             req.block_hashes.extend(computed_hashes)
             req.num_computed_tokens = num_computed
         if num_required > 0:
@@ -97,7 +116,7 @@ class KVCacheManager:
         if self.sliding_window is None:
             return 0
         ids = req.block_ids
-        n = max(0, req.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        n = self._num_out_of_window(req.num_computed_tokens)
         released = []
         for i in range(min(n, len(ids)) - 1, -1, -1):  # back to the first already released one
             if ids[i] == NULL_BLOCK:
@@ -107,10 +126,17 @@ class KVCacheManager:
         self.pool.free(released)
         return len(released)
 
+    def _num_out_of_window(self, position: int) -> int:
+        """How many leading blocks no layer reads for a query at ``position`` (0 unless every layer
+        is windowed)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, position - self.sliding_window + 1) // self.block_size
+
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        return max_blocks_held(num_tokens, self.block_size, self.sliding_window, max_chunk)
+
     def free(self, req: Request) -> None:
         self.pool.free([b for b in reversed(req.block_ids) if b != NULL_BLOCK])
         req.block_ids = []
         req.block_hashes = []
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)

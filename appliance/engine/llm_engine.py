@@ -19,6 +19,7 @@ import torch
 
 from appliance.config import EngineConfig
 from appliance.engine.detokenizer import ChoiceText
+from appliance.engine.step_cost import parse_itl_target
 from appliance.engine.kv_cache_manager import KVCacheManager
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.request import FINISH_REASON, Request, RequestStatus
@@ -131,7 +132,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  self.runner.sliding_window)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.long_prefill_token_threshold)
+                                   self.max_model_len, config.long_prefill_token_threshold,
+                                   parse_itl_target(config.itl_target))
         self.sampler = Sampler(self.device, config.seed, argmax=self.runner.ops.argmax)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = self.info.eos_token_ids or (
@@ -200,6 +202,12 @@ class LLMEngine:
         self._next_id += 1
         return str(self._next_id - 1)
 
+    @property
+    def max_chunk_tokens(self) -> int:
+        """The most new tokens one step gives one request (the step budget, or the per-request cap)."""
+        c = self.config
+        return min(c.max_num_batched_tokens, c.long_prefill_token_threshold or c.max_num_batched_tokens)
+
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,
                     params: SamplingParams | PoolingParams | None = None) -> str:
         """Validate, tokenize and queue a request. Raises InvalidRequestError (nothing is queued).
@@ -222,11 +230,13 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"max_tokens={max_tokens} plus the prompt's {n_prompt} tokens is {n_prompt + max_tokens}, "
                 f"beyond max_model_len={self.max_model_len}", "max_tokens")
-        need = self.kv.blocks_needed(n_prompt + max_tokens)
+        # A windowed model's request holds only its window's blocks (plus one step's chunk) at a time.
+        need = self.kv.max_blocks_held(n_prompt + max_tokens, self.max_chunk_tokens)
         if need > self.kv.num_blocks:
             raise InvalidRequestError(
                 f"prompt ({n_prompt}) + max_tokens ({max_tokens}) needs {need} KV blocks of "
-                f"{self.config.block_size} tokens; the whole KV cache has {self.kv.num_blocks}", "max_tokens")
+                f"{self.config.block_size} tokens at once; the whole KV cache has {self.kv.num_blocks}",
+                "max_tokens")
         children = []
         for i in range(params.n):
             sp = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
@@ -275,10 +285,10 @@ class LLMEngine:
         if len(ids) > self.max_model_len:
             raise InvalidRequestError(f"prompt is {len(ids)} tokens; this model's max_model_len is "
                                       f"{self.max_model_len}", "prompt")
-        need = self.kv.blocks_needed(len(ids))
+        need = self.kv.max_blocks_held(len(ids), self.max_chunk_tokens)  # the same bound as generation's
         if need > self.kv.num_blocks:
             raise InvalidRequestError(f"prompt ({len(ids)} tokens) needs {need} KV blocks of {self.config.block_size} "
-                                      f"tokens; the whole KV cache has {self.kv.num_blocks}", "prompt")
+                                      f"tokens at once; the whole KV cache has {self.kv.num_blocks}", "prompt")
         hidden = self.runner.model.config.hidden_size
         if params.dimensions is not None and params.dimensions > hidden:
             raise InvalidRequestError(f"dimensions={params.dimensions} exceeds the model's hidden size {hidden}",
@@ -339,6 +349,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         logits, plp = self.runner.execute(sched, plp_rows)
         t2 = time.perf_counter()
+        self.scheduler.step_cost.observe(sched.num_batched_tokens, t2 - t1)
         for i in plp_rows:
             self._record_prompt_logprobs(*sched.scheduled[i], plp[i])
         self.stats["prompt_tokens"] += sum(max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens)
@@ -445,7 +456,8 @@ class LLMEngine:
             request_id=p.request_id, prompt=p.prompt, prompt_token_ids=p.prompt_token_ids, outputs=outs,
             finished=all(o.finished for o in outs), prompt_logprobs=first.prompt_logprobs,
             num_cached_tokens=max(first.num_cached_tokens, 0),
-            metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time})
+            metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time,
+                     "scheduled_time": first.scheduled_time})
 
     # -- introspection -------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -35,7 +35,8 @@ class Request:
         "request_id", "parent_id", "index", "prompt_token_ids", "sampling_params", "eos_token_ids",
         "max_tokens", "all_token_ids", "num_computed_tokens", "block_ids", "block_hashes", "status",
         "stop_reason", "num_cached_tokens", "num_preemptions", "arrival_time", "first_token_time",
-        "logprobs", "cumulative_logprob", "prompt_logprobs", "pooling_params", "use_prefix_cache",
+        "logprobs", "cumulative_logprob", "prompt_logprobs", "scheduled_time", "pooling_params",
+        "use_prefix_cache",
     )
 
     def __init__(
@@ -67,6 +68,7 @@ class Request:
         self.num_preemptions = 0
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
+        self.scheduled_time: float | None = None  # first left the waiting queue (queue-time metric)
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[dict[int, float] | None] | None = (

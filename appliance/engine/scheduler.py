@@ -5,11 +5,13 @@ the output holds requests and counts, never tensors.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from appliance.engine.kv_cache_manager import KVCacheManager
 from appliance.engine.request import Request, RequestStatus
+from appliance.engine.step_cost import StepCostModel
 
 
 @dataclass
@@ -32,12 +34,18 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         long_prefill_token_threshold: int = 0,
+        itl_target: float | str | None = None,
     ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        # While decodes run, a step's prefill tokens are capped so the step stays within this many
+        # seconds ("auto": a multiple of the decode-only step; None: no cap), from the measured cost.
+        self.itl_target = itl_target
+        self.step_cost = StepCostModel()
+        self.num_capped_steps = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -100,10 +108,17 @@ class Scheduler:
         for req in self.running:  # blocks out of every window go back first, for this step to use
             self.kv.free_out_of_window(req)
 
+        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        prefill_left = self.step_cost.prefill_cap(num_decodes, self.itl_target)
+        capped = False
+
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk(req, budget)
+            prefill = req.num_tokens - req.num_computed_tokens > 1
+            if prefill and prefill_left is not None and n > prefill_left:
+                n, capped = prefill_left, True
             if n <= 0:
                 i += 1
                 continue
@@ -116,6 +131,8 @@ class Scheduler:
                 out.scheduled.append((req, n))
                 scheduled_ids.add(req.request_id)
                 budget -= n
+                if prefill and prefill_left is not None:
+                    prefill_left -= n
                 i += 1
                 continue
             break  # req itself was preempted; nothing after it is left in running
@@ -132,16 +149,22 @@ class Scheduler:
                 if self.long_prefill_token_threshold and n > self.long_prefill_token_threshold:
                     n = self.long_prefill_token_threshold
                 n = min(n, budget)
-                if not self.kv.allocate_slots(req, n, blocks, hashes):
+                if prefill_left is not None and n > prefill_left:
+                    n, capped = prefill_left, True
+                if n <= 0 or not self.kv.allocate_slots(req, n, blocks, hashes):
                     break
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
+                    req.scheduled_time = time.monotonic()
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 out.scheduled.append((req, n))
                 budget -= n
+                if prefill_left is not None:
+                    prefill_left -= n
 
+        self.num_capped_steps += capped
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 

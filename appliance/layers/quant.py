@@ -283,18 +283,3 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int | None, skip=(
             if isinstance(child, Linear) and cname not in skip and full not in skip:
                 setattr(mod, cname, QuantLinear.from_float(child, scheme, group_size))
     return model
-
-
-def swap_to_quant(model: nn.Module, scheme: str, group_size: int | None, skip=("lm_head",),
-                  w8_groups: bool = False) -> nn.Module:
-    """Like quantize_model but with empty QuantLinears (for loading a pre-quantized checkpoint; works
-    on the meta device). ``w8_groups``: W8 layers keep ``group_size`` (see QuantLinear)."""
-    from appliance.layers.linear import Linear
-
-    for name, mod in list(model.named_modules()):
-        for cname, child in list(mod.named_children()):
-            full = f"{name}.{cname}" if name else cname
-            if isinstance(child, Linear) and cname not in skip and full not in skip:
-                setattr(mod, cname, QuantLinear(child.in_features, child.out_features, scheme, group_size,
-                                                child.bias is not None, dict(child.shards), w8_groups))
-    return model

@@ -47,7 +47,7 @@ from appliance.models import gguf_quants
 
 log = logging.getLogger("appliance")
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma2", "gemma3")
 # mixture-of-experts architectures (their ffn_*_exps tensors load one expert at a time, see _tensor_plan);
 # llama with an expert_count is Mixtral
 MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "llama")
@@ -65,6 +65,8 @@ _HF_ARCH = {
     "mixtral": ("mixtral", "MixtralForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 _GLOBAL_TENSORS = {
@@ -101,12 +103,18 @@ _EXPERT_TENSORS = {
     "ffn_up_exps.weight": "up_proj.weight",
     "ffn_down_exps.weight": "down_proj.weight",
 }
-# Gemma 3's four norms per layer: llama.cpp's ffn_norm is the pre-feed-forward norm there.
-_LAYER_TENSORS_OF = {"gemma3": {**_LAYER_TENSORS, "post_attention_norm.weight": "post_attention_layernorm.weight",
-                                "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-                                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}}
+# Gemma 2's and 3's four norms per layer: llama.cpp's ffn_norm is the pre-feed-forward norm there.
+_GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "post_attention_norm.weight": "post_attention_layernorm.weight",
+                        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                        "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+# Phi-3 stores the checkpoint's fused tensors: attn_qkv, and ffn_up holding [gate; up] (2 x ffn rows)
+_LAYER_TENSORS_OF = {"gemma2": _GEMMA_LAYER_TENSORS, "gemma3": _GEMMA_LAYER_TENSORS,
+                     "phi3": {**_LAYER_TENSORS, "attn_qkv.weight": "self_attn.qkv_proj.weight",
+                              "ffn_up.weight": "mlp.gate_up_proj.weight"}}
+# Global tensors folded into the config instead of loaded (the rope factors)
+_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # GGUF architecture -> what llama.cpp's converter added to every "*norm.weight" (Gemma: 1 + w)
-_NORM_SHIFT = {"gemma3": 1.0}
+_NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
 
 
 def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -274,10 +282,12 @@ def _build_configs(reader, meta: dict, path: Path) -> tuple[dict, dict]:
     hidden_size = int(need("embedding_length"))
     num_heads = int(need("attention.head_count"))
     num_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", num_heads))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", 0) or meta.get(f"{arch}.rope.dimension_count", 0)
-                   or hidden_size // num_heads)
+    # Phi-3 rotates part of each head (rope.dimension_count < head_dim); llama.cpp's head size
+    # defaults to hidden / heads when key_length is absent
+    rope_key = f"{arch}.rope.dimension_count" if arch != "phi3" else "-"
+    head_dim = int(meta.get(f"{arch}.attention.key_length", 0) or meta.get(rope_key, 0) or hidden_size // num_heads)
     rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and arch != "phi3":  # Phi-4-mini rotates 3/4 of each head, as its HF config says
         raise ModelLoadError(f"{path}: partial rotary (rope.dimension_count={rope_dim} != head_dim={head_dim}) "
                              "is not supported")
     tensors = {t.name: t for t in reader.tensors}
@@ -336,8 +346,12 @@ def _build_configs(reader, meta: dict, path: Path) -> tuple[dict, dict]:
         rope_scaling = llama3_rope_scaling(dequantize(t.data, t.tensor_type).reshape(-1), rope_theta, head_dim, path)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
+    if arch == "phi3":
+        _phi3_config(meta, tensors, config, rope_dim, path)
     if arch == "gemma3":
         _gemma3_config(meta, config, path)
+    elif arch == "gemma2":
+        _gemma2_config(meta, config)
 
     generation_config = {}
     for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
@@ -441,6 +455,60 @@ def _gemma3_config(meta: dict, config: dict, path: Path) -> None:
     config["attn_logit_softcapping"] = None
 
 
+def _phi3_config(meta: dict, tensors: dict, config: dict, rope_dim: int, path: Path) -> None:
+    """The Phi-3 fields of ``config``: the rotated share of each head (Phi-4-mini: 0.75), and longrope
+    from llama.cpp's ``rope_factors_long`` / ``rope_factors_short`` tensors with the file's original
+    context and attention factor. llama.cpp switches to the long factors when its context passes the
+    original one, as the engine does from max_model_len. A window in the file is applied on every
+    layer as the HF checkpoint's config does (llama.cpp currently disables Phi's window)."""
+    from gguf.quants import dequantize
+
+    a = "phi3"
+    if rope_dim != config["head_dim"]:
+        config["partial_rotary_factor"] = rope_dim / config["head_dim"]
+    have = [n for n in ("rope_factors_long.weight", "rope_factors_short.weight") if n in tensors]
+    if not have:
+        return
+    if len(have) != 2:
+        raise ModelLoadError(f"{path}: {have[0]} without its pair; longrope needs both factor tensors")
+    factors = {}
+    for n in have:
+        t = tensors[n]
+        v = dequantize(t.data, t.tensor_type).reshape(-1)
+        if v.shape[0] != rope_dim // 2:
+            raise ModelLoadError(f"{path}: {n} has {v.shape[0]} factors, expected rope.dimension_count / 2 = "
+                                 f"{rope_dim // 2}")
+        factors[n] = [_f32(x) for x in v]
+    original = meta.get(f"{a}.rope.scaling.original_context_length")
+    if original is None:
+        raise ModelLoadError(f"{path}: longrope factors without {a}.rope.scaling.original_context_length")
+    scaling = {"rope_type": "longrope", "long_factor": factors["rope_factors_long.weight"],
+               "short_factor": factors["rope_factors_short.weight"],
+               "original_max_position_embeddings": int(original)}
+    attn = meta.get(f"{a}.rope.scaling.attn_factor")
+    if attn is not None:
+        scaling["attention_factor"] = _f32(attn)
+    config["rope_scaling"] = scaling
+    config["original_max_position_embeddings"] = int(original)
+
+
+def _gemma2_config(meta: dict, config: dict) -> None:
+    """The Gemma 2 fields of ``config``, as llama.cpp reads the file (src/models/gemma2.cpp and its
+    hparams): every other layer local, starting with layer 0 (pattern 2), with ``attention.sliding_window``
+    (4096 when absent); both soft-caps from the file, 50 and 30 when absent; one rope base for all
+    layers; the softmax scale 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 46-layer (27B)
+    model, since the file does not record query_pre_attn_scalar."""
+    a, n_layers = "gemma2", config["num_hidden_layers"]
+    config.pop("hidden_act")
+    config["hidden_activation"] = "gelu_pytorch_tanh"
+    config["sliding_window"] = int(meta.get(f"{a}.attention.sliding_window", 0) or 4096)
+    config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+    config["attn_logit_softcapping"] = _f32(meta.get(f"{a}.attn_logit_softcapping", 50.0))
+    config["final_logit_softcapping"] = _f32(meta.get(f"{a}.final_logit_softcapping", 30.0))
+    config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"] if n_layers == 46
+                                       else config["head_dim"])
+
+
 def _rope_scaling(meta: dict, arch: str) -> dict | None:
     kind = meta.get(f"{arch}.rope.scaling.type")
     factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear"))
@@ -505,7 +573,7 @@ def _tensor_plan(reader, meta: dict, config: dict, path: Path):
     arch = meta["general.architecture"]
     layer_tensors = _LAYER_TENSORS_OF.get(arch, _LAYER_TENSORS)
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name in _CONFIG_TENSORS:
             continue  # folded into config["rope_scaling"]
         parts = t.name.split(".", 2)
         if len(parts) == 3 and parts[0] == "blk" and parts[2] in _EXPERT_TENSORS and _is_moe(meta):

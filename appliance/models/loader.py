@@ -336,13 +336,14 @@ def process_weights_after_loading(model: torch.nn.Module, quantization: str, gro
 
 
 def cast_float(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Model dtype for float parameters; QuantLinear's int8 weights and fp32 scales stay as they are
-    (a QuantEmbedding's zero points too: it returns its rows in ``dtype``)."""
+    """Model dtype for float parameters; quantized weights, their fp32 scales and fp32 zero points
+    stay as they are (a K-quant's zero point is -min/scale, a fraction that bf16 would round; a
+    QuantEmbedding returns its rows in ``dtype``)."""
     from appliance.layers.vocab import QuantEmbedding
 
+    held = ("qweight", "weight_scale", "weight_zero_point")
     for mod in model.modules():
         quant = _is_quant(mod)
-        held = ("qweight", "weight_scale") + (("weight_zero_point",) if isinstance(mod, QuantEmbedding) else ())
         if isinstance(mod, QuantEmbedding):
             mod.dtype = dtype
         for name, p in list(mod.named_parameters(recurse=False)):

@@ -25,6 +25,7 @@ from appliance.server.openai_serving import OpenAIServing
 from appliance.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest, validation_error,
 )
+from appliance.server.request_fields import check_request_fields
 
 log = logging.getLogger("appliance.server")
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize")
@@ -43,6 +44,7 @@ async def parse_body(http: Request, model_cls):
     if not isinstance(data, dict):
         raise OpenAIError(400, f"the request body must be a JSON object, got {type(data).__name__}",
                           code="invalid_json")
+    check_request_fields(model_cls, data)
     try:
         return model_cls.model_validate(data)
     except ValidationError as e:
@@ -53,14 +55,19 @@ class ServerMiddleware:
     """Pure ASGI (streams and disconnects pass through untouched): API-key check, one log line per
     response, and a last-resort 500 in OpenAI's shape."""
 
-    def __init__(self, app, api_key: str | None):
+    def __init__(self, app, api_key: str | list[str] | None):
         self.app = app
-        self.api_key = api_key
+        # several keys: any one authorises (vLLM's repeated --api-key)
+        self.api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        self.api_key = self.api_keys[0] if self.api_keys else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, method = scope["path"], scope["method"]
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):  # uvicorn puts --root-path in front of the path
+            path = path[len(root):] or "/"
         if self.api_key and path.startswith(_PROTECTED) and not self._authorized(scope):
             resp = error_response(OpenAIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                                               code="invalid_api_key"))
@@ -91,7 +98,10 @@ class ServerMiddleware:
         for k, v in scope.get("headers", []):
             if k == b"authorization":
                 scheme, _, token = v.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), self.api_key)
+                token = token.strip().encode()
+                # every key compared (no early exit), so timing does not tell which one nearly matched
+                ok = [hmac.compare_digest(token, k.encode()) for k in self.api_keys]
+                return scheme.lower() == "bearer" and any(ok)
         return False
 
 
@@ -140,6 +150,13 @@ def build_app(serving: OpenAIServing, api_key: str | None = None, on_startup=Non
              "root": info["model_path"], "parent": None, "max_model_len": info["max_model_len"]}
             for name in serving.served_model_names]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id not in serving.served_model_names:
+            raise OpenAIError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+        return {"id": model_id, "object": "model", "created": int(serving.started), "owned_by": "appliance",
+                "root": info["model_path"], "parent": None, "max_model_len": info["max_model_len"]}
+
     @app.get("/metrics")
     async def metrics():
         stats = await client.get_stats()
@@ -183,3 +200,33 @@ def build_app(serving: OpenAIServing, api_key: str | None = None, on_startup=Non
 
     app.add_middleware(ServerMiddleware, api_key=api_key)
     return app
+
+
+def cors_values(items: list[str] | None, default: list[str]) -> list[str]:
+    """Values of a CORS flag: each one a plain value or a JSON list (vLLM takes JSON lists)."""
+    from appliance.errors import ApplianceError
+
+    out = []
+    for v in items or []:
+        v = v.strip()
+        if v.startswith("["):
+            try:
+                parsed = json.loads(v)
+            except ValueError as e:
+                raise ApplianceError(f"CORS flag value {v!r} is not a JSON list ({e})") from None
+            if not isinstance(parsed, list):
+                raise ApplianceError(f"CORS flag value {v!r} is not a JSON list")
+            out.extend(str(x) for x in parsed)
+        elif v:
+            out.append(v)
+    return out or default
+
+
+def add_cors(app: FastAPI, server) -> None:
+    """CORS with vLLM's flags; methods and headers default to all, as vLLM's do."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    app.add_middleware(CORSMiddleware, allow_origins=cors_values(server.allowed_origins, []),
+                       allow_methods=cors_values(server.allowed_methods, ["*"]),
+                       allow_headers=cors_values(server.allowed_headers, ["*"]),
+                       allow_credentials=server.allow_credentials)

@@ -87,6 +87,7 @@ class RequestDelta:
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = None  # sent once, with the request's first delta
     first: bool = False
+    queue_time: float | None = None  # seconds from arrival in the core to first scheduled; first delta only
     embedding: list[float] | None = None  # a pooling request's vector (its one, final delta)
 
 
@@ -124,6 +125,7 @@ def engine_stats(engine) -> dict:
         "prefix_cache_hits": pool.num_hits,
         "num_preemptions": engine.scheduler.num_preemptions,
         "steps": engine.stats["steps"],
+        "prefill_capped_steps": engine.scheduler.num_capped_steps,
     }
 
 
@@ -140,12 +142,15 @@ def engine_info(engine) -> dict:
         "linear": getattr(runner, "linear_groups", {}),
         "num_kv_blocks": runner.num_blocks,
         "block_size": engine.config.block_size,
+        "kv_sliding_window": engine.kv.sliding_window,
+        "max_chunk_tokens": engine.max_chunk_tokens,
         "kv_cache_gib": runner.num_blocks * runner.bytes_per_block / (1 << 30),
         "max_model_len": engine.max_model_len,
         "vocab_size": engine.vocab_size,
         "max_num_seqs": engine.config.max_num_seqs,
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "prefix_caching": engine.config.enable_prefix_caching,
+        "itl_target": engine.config.itl_target,
         "num_threads": torch.get_num_threads(),
         "pid": os.getpid(),
         **pooling_info(engine),
@@ -216,8 +221,15 @@ class EngineCore:
             if out.finished:
                 del self.sent[out.request_id]
             deltas.append(RequestDelta(out.request_id, choices, out.finished, out.num_cached_tokens,
-                                       out.prompt_logprobs if first else None, first))
+                                       out.prompt_logprobs if first else None, first,
+                                       _queue_time(out.metrics) if first else None))
         return deltas
+
+
+def _queue_time(m: dict) -> float | None:
+    if m.get("scheduled_time") is None or m.get("arrival_time") is None:
+        return None
+    return m["scheduled_time"] - m["arrival_time"]
 
 
 def run_engine_core(config: EngineConfig, in_conn, out_conn, log_level: int = logging.INFO,

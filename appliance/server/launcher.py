@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import uvicorn
 
@@ -31,11 +32,32 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: str | None = None  # None: the model argument (or the default model's name)
-    api_key: str | None = None
+    # None: the model argument (or the default model's name); several: all answer, the first is reported
+    served_model_name: str | list[str] | None = None
+    api_key: str | list[str] | None = None  # several: any one authorises
     max_queued_requests: int | None = None  # None: no limit beyond memory
     shutdown_timeout: float = 30.0
     log_level: str = "info"
+    uvicorn_log_level: str | None = None  # None: log_level
+    # CORS (off unless allowed_origins is given); vLLM's flags
+    allowed_origins: list[str] | None = None
+    allowed_methods: list[str] | None = None
+    allowed_headers: list[str] | None = None
+    allow_credentials: bool = False
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    root_path: str = ""
+    generation_config: str = "auto"  # auto: the model's sampling defaults; vllm: none
+
+    @property
+    def served_model_names(self) -> list[str]:
+        n = self.served_model_name
+        return [] if not n else [n] if isinstance(n, str) else list(n)
+
+    @property
+    def api_keys(self) -> list[str]:
+        k = self.api_key
+        return [] if not k else [k] if isinstance(k, str) else list(k)
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -44,6 +66,27 @@ class ServerConfig:
             raise ApplianceError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
         if self.shutdown_timeout < 0:
             raise ApplianceError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ApplianceError("HTTPS needs both --ssl-keyfile and --ssl-certfile; got only "
+                                 + ("--ssl-keyfile" if self.ssl_keyfile else "--ssl-certfile"))
+        for flag, f in (("--ssl-keyfile", self.ssl_keyfile), ("--ssl-certfile", self.ssl_certfile)):
+            if f is not None and not Path(f).is_file():
+                raise ApplianceError(f"{flag} {f}: no such file")
+        if self.root_path and not self.root_path.startswith("/"):
+            raise ApplianceError(f"--root-path must start with '/', got {self.root_path!r}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ApplianceError(f"--generation-config must be auto or vllm, got {self.generation_config!r} "
+                                 "(a directory is not supported)")
+        levels = ("critical", "error", "warning", "info", "debug", "trace")
+        if self.uvicorn_log_level is not None and self.uvicorn_log_level not in levels:
+            raise ApplianceError(f"--uvicorn-log-level must be one of {', '.join(levels)}, "
+                                 f"got {self.uvicorn_log_level!r}")
+        from appliance.server.api import cors_values
+
+        for items in (self.allowed_origins, self.allowed_methods, self.allowed_headers):
+            cors_values(items, [])  # a bad JSON list fails here, before the engine starts
+        if any(not k for k in self.api_keys):
+            raise ApplianceError("--api-key must not be empty")
 
 
 class _Server(uvicorn.Server):
@@ -121,18 +164,23 @@ def print_banner(engine_config: EngineConfig, server: ServerConfig, names: list[
     t.add_row("limits", f"max_model_len {info['max_model_len']}, max_num_seqs {info['max_num_seqs']}, "
                         f"max_num_batched_tokens {info['max_num_batched_tokens']}, max_queued_requests "
                         f"{server.max_queued_requests if server.max_queued_requests is not None else 'unlimited'}")
+    t.add_row("scheduling", f"itl_target {info.get('itl_target', 'off')} (while decodes run, new prompts are "
+                            f"chunked to keep each step within it)")
     if info.get("runner") == "pooling":
         pc = info.get("pooler_config") or {}
         t.add_row("runner", f"pooling: /v1/embeddings ({pc.get('pooling_type')}, "
                             f"{'normalized' if pc.get('normalize') else 'not normalized'})")
-    t.add_row("auth", "API key required" if server.api_key else "none (set --api-key or APPLIANCE_API_KEY)")
+    t.add_row("auth", "API key required" if server.api_keys else "none (set --api-key or APPLIANCE_API_KEY)")
     t.add_row("engine", f"core process pid {info['pid']}")
     if info.get("runtime"):
         from appliance.runtime.worker import describe
 
         for k, v in describe(info["runtime"]).items():
             t.add_row(k, v)
-    t.add_row("address", f"[bold green]http://{server.host}:{server.port}/v1[/]")
+    if info.get("default_sampling"):
+        t.add_row("sampling", f"defaults from the model: {info['default_sampling']}")
+    scheme = "https" if server.ssl_certfile else "http"
+    t.add_row("address", f"[bold green]{scheme}://{server.host}:{server.port}{server.root_path}/v1[/]")
     import appliance
 
     Console(stderr=True).print(Panel(t, title=f"appliance {appliance.__version__}", expand=False))
@@ -145,8 +193,8 @@ def serve(engine_config: EngineConfig, server: ServerConfig) -> int:
     from appliance.models.default_model import resolve_model_source, tokenizer_path
 
     model_path = resolve_model_source(engine_config.model)  # once, here: the core gets a plain path
-    names = [server.served_model_name or (engine_config.model if engine_config.model is not None
-                                          else _default_name())]
+    names = server.served_model_names or [engine_config.model if engine_config.model is not None
+                                          else _default_name()]
     client = AsyncEngineClient(engine_config.replace(model=str(model_path)),
                                log_level=logging.getLevelName(server.log_level.upper()))
     t0 = time.perf_counter()
@@ -162,6 +210,13 @@ def serve(engine_config: EngineConfig, server: ServerConfig) -> int:
     metrics = ServerMetrics(names[0])
     metrics.runtime = info.get("runtime") or {}
     serving = OpenAIServing(client, tokenizer, names, metrics, server.max_queued_requests)
+    if server.generation_config == "auto":
+        from appliance.generation_defaults import load_generation_defaults
+
+        serving.default_sampling = load_generation_defaults(model_path)
+        if serving.default_sampling:
+            log.info("Default sampling parameters from the model: %s", serving.default_sampling)
+            info["default_sampling"] = serving.default_sampling
 
     async def on_shutdown():
         serving.abort_all()
@@ -169,9 +224,15 @@ def serve(engine_config: EngineConfig, server: ServerConfig) -> int:
 
     from appliance.server.api import build_app
 
-    app = build_app(serving, server.api_key, on_startup=client.attach, on_shutdown=on_shutdown)
-    config = uvicorn.Config(app, host=server.host, port=server.port, log_level=server.log_level, access_log=False,
-                            timeout_graceful_shutdown=2, lifespan="on")
+    app = build_app(serving, server.api_keys or None, on_startup=client.attach, on_shutdown=on_shutdown)
+    if server.allowed_origins:
+        from appliance.server.api import add_cors
+
+        add_cors(app, server)
+    config = uvicorn.Config(app, host=server.host, port=server.port,
+                            log_level=server.uvicorn_log_level or server.log_level, access_log=False,
+                            timeout_graceful_shutdown=2, lifespan="on", ssl_keyfile=server.ssl_keyfile,
+                            ssl_certfile=server.ssl_certfile, root_path=server.root_path)
     print_banner(engine_config, server, names, info)
     srv = _Server(config, serving, server.shutdown_timeout)
     try:

@@ -13,6 +13,8 @@ import math
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 FINISH_REASONS = ("stop", "length", "abort")
+# token-count histograms: 1-2-5 steps as vLLM's (it stops at max_model_len; these go past any)
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
 
 
 def _fmt(v: float) -> str:
@@ -66,6 +68,15 @@ class ServerMetrics:
         self.itl = Histogram()  # every gap between two deltas of a stream
         self.e2e = Histogram()
         self.rejected = 0  # refused for capacity (--max-queued-requests) or shutdown
+        # vLLM's per-request series (rendered under vllm: names only)
+        self.queue = Histogram()  # arrival in the engine core -> first scheduled
+        self.request_prompt_tokens = Histogram(TOKEN_BUCKETS)
+        self.request_generation_tokens = Histogram(TOKEN_BUCKETS)
+
+    def observe_request(self, num_prompt: int, num_output: int) -> None:
+        """Once per finished request (all its sequences together), as vLLM counts them."""
+        self.request_prompt_tokens.observe(num_prompt)
+        self.request_generation_tokens.observe(num_output)
 
     def finish(self, reason: str, num_prompt: int, num_output: int, ttft: float | None, e2e: float) -> None:
         self.requests[reason if reason in self.requests else "stop"] += 1
@@ -125,4 +136,53 @@ class ServerMetrics:
             metric("appliance:allocator_info", "gauge",
                    "The engine process's malloc, checked from inside it (1 for the one in use).",
                    [f"appliance:allocator_info{_labels(labels)} 1"])
+        out.extend(self.render_vllm(engine))
         return "\n".join(out) + "\n"
+
+    def render_vllm(self, engine: dict) -> list[str]:
+        """The same measurements under vLLM's metric names, types and meanings, so dashboards and
+        alerts written for vLLM work unchanged. Differences from vLLM: time_per_output_token is the
+        gap between two consecutive output steps of a request (vLLM's per-token observation; equal
+        to inter_token_latency), and gpu_cache_usage_perc (vLLM's deprecated alias) is the CPU KV cache."""
+        L = self.labels
+        out: list[str] = []
+
+        def metric(name, kind, help_, samples):
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} {kind}")
+            out.extend(samples)
+
+        for name, key, help_ in (
+            ("vllm:num_requests_running", "num_running", "Number of requests in model execution batches."),
+            ("vllm:num_requests_waiting", "num_waiting", "Number of requests waiting to be processed."),
+            ("vllm:kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
+            ("vllm:gpu_cache_usage_perc", "kv_cache_usage",
+             "KV-cache usage (vLLM's older name; here the CPU KV cache). 1 means 100 percent usage."),
+        ):
+            metric(name, "gauge", help_, [f"{name}{_labels(L)} {_fmt(engine.get(key, 0))}"])
+        for name, value, help_ in (
+            ("vllm:prompt_tokens_total", self.prompt_tokens, "Number of prefill tokens processed."),
+            ("vllm:generation_tokens_total", self.generation_tokens, "Number of generation tokens processed."),
+            ("vllm:prefix_cache_queries_total", engine.get("prefix_cache_queries", 0),
+             "Prefix cache queries, in terms of number of queried tokens."),
+            ("vllm:prefix_cache_hits_total", engine.get("prefix_cache_hits", 0),
+             "Prefix cache hits, in terms of number of cached tokens."),
+            ("vllm:num_preemptions_total", engine.get("num_preemptions", 0), "Cumulative number of preemptions."),
+        ):
+            metric(name, "counter", help_, [f"{name}{_labels(L)} {_fmt(value)}"])
+        metric("vllm:request_success_total", "counter", "Count of successfully processed requests.",
+               [f"vllm:request_success_total{_labels({**L, 'finished_reason': r})} {n}"
+                for r, n in self.requests.items()])
+        for name, h, help_ in (
+            ("vllm:time_to_first_token_seconds", self.ttft, "Histogram of time to first token in seconds."),
+            ("vllm:time_per_output_token_seconds", self.itl, "Histogram of time per output token in seconds."),
+            ("vllm:inter_token_latency_seconds", self.itl, "Histogram of inter-token latency in seconds."),
+            ("vllm:e2e_request_latency_seconds", self.e2e, "Histogram of e2e request latency in seconds."),
+            ("vllm:request_queue_time_seconds", self.queue,
+             "Histogram of time spent in WAITING phase for request."),
+            ("vllm:request_prompt_tokens", self.request_prompt_tokens, "Number of prefill tokens processed."),
+            ("vllm:request_generation_tokens", self.request_generation_tokens,
+             "Number of generation tokens processed."),
+        ):
+            metric(name, "histogram", help_, h.lines(name, L))
+        return out

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from appliance.engine.kv_cache_manager import max_blocks_held
 from appliance.errors import InvalidRequestError
 from appliance.sampling_params import SamplingParams
 from appliance.server.async_engine import (
@@ -27,6 +28,8 @@ from appliance.server.metrics import ServerMetrics
 from appliance.server.protocol import (
     ChatCompletionRequest, CompletionRequest, OpenAIError, message_dicts,
 )
+from appliance.generation_defaults import apply_defaults
+from appliance.server.vllm_extras import check_compat_probes, prompt_logprobs_json, top_k_of
 
 log = logging.getLogger("appliance.server")
 _DISCONNECT_POLL_S = 0.5
@@ -66,6 +69,7 @@ class OpenAIServing:
         self.max_queued_requests = max_queued_requests
         self.draining = False
         self.started = time.time()
+        self.default_sampling: dict = {}  # the model's generation defaults (--generation-config auto)
         self._token_str: dict[int, str] = {}
         client.on_delta = self._on_delta
         client.tokenizer = tokenizer
@@ -112,15 +116,18 @@ class OpenAIServing:
                                    f"{n} tokens and max_tokens is {max_tokens} ({n + max_tokens} in total)",
                               param="max_tokens", code="context_length_exceeded")
         bs, blocks = self.info["block_size"], self.info["num_kv_blocks"]
-        need = -(-(n + max_tokens) // bs)
+        need = max_blocks_held(n + max_tokens, bs, self.info["kv_sliding_window"], self.info["max_chunk_tokens"])
         if need > blocks:
             raise OpenAIError(400, f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) needs {need} KV blocks "
-                                   f"of {bs} tokens; the whole KV cache holds {blocks}", param="max_tokens")
+                                   f"of {bs} tokens at once; the whole KV cache holds {blocks}", param="max_tokens")
 
     @staticmethod
-    def sampling_params(req, max_tokens, logprobs, prompt_logprobs=None) -> SamplingParams:
+    def sampling_params(req, max_tokens, logprobs, prompt_logprobs=None, defaults=None) -> SamplingParams:
         if req.logit_bias:
             raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
+        check_compat_probes(req)
+        if req.prompt_logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, req.prompt_logprobs)
         kw = dict(n=req.n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                   min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop=req.stop,
                   stop_token_ids=req.stop_token_ids, seed=req.seed, skip_special_tokens=req.skip_special_tokens,
@@ -130,6 +137,8 @@ class OpenAIServing:
             v = getattr(req, name)
             if v is not None:
                 kw[name] = v
+        if defaults:  # the model's generation config (--generation-config auto); the request's values win
+            kw = apply_defaults(kw, defaults)
         try:
             return SamplingParams(**kw)
         except InvalidRequestError as e:
@@ -146,6 +155,8 @@ class OpenAIServing:
                 self.metrics.itl.observe(now - stream.last_token_time)
             stream.last_token_time = now
         stream.num_output_tokens += new
+        if d.first and d.queue_time is not None:
+            self.metrics.queue.observe(d.queue_time)
         for c in d.choices:
             if c.finish_reason is not None:
                 stream.finish_reasons[c.index] = c.finish_reason
@@ -162,6 +173,7 @@ class OpenAIServing:
         for i, r in enumerate(reasons):
             self.metrics.finish(r, stream.num_prompt_tokens if i == 0 else 0,
                                 stream.num_output_tokens if i == 0 else 0, ttft, e2e)
+        self.metrics.observe_request(stream.num_prompt_tokens, stream.num_output_tokens)
         log.info("%s: finished (%s) prompt_tokens=%d output_tokens=%d ttft=%s e2e=%.3fs", stream.request_id,
                  ",".join(reasons), stream.num_prompt_tokens, stream.num_output_tokens,
                  "-" if ttft is None else f"{ttft:.3f}s", e2e)
@@ -289,7 +301,8 @@ class OpenAIServing:
                                    "best-of sampling is not supported", param="best_of")
         prompts = self._completion_prompts(req.prompt)
         params = self.sampling_params(req, req.max_tokens, req.logprobs,
-                                      prompt_logprobs=req.logprobs if (req.echo and req.logprobs is not None) else None)
+                                      prompt_logprobs=req.logprobs if (req.echo and req.logprobs is not None) else None,
+                                      defaults=self.default_sampling)
         for _, ids in prompts:
             self.check_prompt(ids, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -312,10 +325,16 @@ class OpenAIServing:
                 if req.logprobs is not None:
                     tok_ids, lps = list(c.token_ids), list(c.logprobs or [])
                     if req.echo:
-                        tok_ids, lps = list(ids) + tok_ids, list(prompt_lps[i] or [None] * len(ids)) + lps
+                        plp = list(prompt_lps[i] or [None] * len(ids))
+                        if params.prompt_logprobs != req.logprobs:  # prompt_logprobs asked for more alternatives
+                            plp = [top_k_of(d, t, req.logprobs) for d, t in zip(plp, ids)]
+                        tok_ids, lps = list(ids) + tok_ids, plp + lps
                     lp = self._completion_logprobs(tok_ids, lps, 0)
                 out.append({"index": len(out), "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                             "stop_reason": c.stop_reason})
+                if req.prompt_logprobs is not None:
+                    out[-1]["prompt_logprobs"] = prompt_logprobs_json(prompt_lps[i], ids, req.prompt_logprobs,
+                                                                      params.prompt_logprobs, self.token_str)
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         completion_tokens = sum(len(c.token_ids) for cs in choices for c in cs)
         body = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": out,
@@ -384,7 +403,7 @@ class OpenAIServing:
         ids = self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
                                req.chat_template_kwargs)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.sampling_params(req, max_tokens, k if req.logprobs else None)
+        params = self.sampling_params(req, max_tokens, k if req.logprobs else None, defaults=self.default_sampling)
         if req.logprobs and not 0 <= k <= 20:
             raise OpenAIError(400, f"top_logprobs must be in [0, 20], got {k}", param="top_logprobs")
         self.check_prompt(ids, params, param="messages")
@@ -395,7 +414,7 @@ class OpenAIServing:
         if req.stream:
             return self._sse(self._stream_chat(req, streams, ids, k, request_id, model, created), streams, request_id)
 
-        choices, _ = await self._collect(streams, http)
+        choices, prompt_lps = await self._collect(streams, http)
         if choices is None:
             return Response(status_code=499)
         out = []
@@ -407,6 +426,9 @@ class OpenAIServing:
         body = {"id": request_id, "object": "chat.completion", "created": created, "model": model, "choices": out,
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
                           "total_tokens": len(ids) + completion_tokens}}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(prompt_lps[0], ids, req.prompt_logprobs,
+                                                           params.prompt_logprobs, self.token_str)
         return JSONResponse(body, headers={"X-Request-Id": request_id})
 
     async def _stream_chat(self, req, streams, ids, k, request_id, model, created):

@@ -2,7 +2,8 @@
 
 Request models check types and shapes only; value ranges are checked by ``SamplingParams``, so the
 offline API and the server refuse exactly the same things with the same messages. Unknown fields
-are ignored (clients send fields this server does not use, e.g. ``user``).
+are ignored (clients send fields this server does not use, e.g. ``user``) and logged once, except
+those that would change the result (``request_fields.UNHONOURED``), which get a 400.
 """
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ class _SamplingFields(_Base):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's extension: logprobs of the prompt tokens
 
 
 class CompletionRequest(_SamplingFields):

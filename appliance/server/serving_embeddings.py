@@ -19,6 +19,7 @@ from typing import Literal, Union
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
+from appliance.engine.kv_cache_manager import max_blocks_held
 from appliance.errors import InvalidRequestError
 from appliance.pooling_params import PoolingParams
 from appliance.server.async_engine import EngineDeadError, RequestAborted, iterate_streams
@@ -101,10 +102,10 @@ def _check(serving, req: EmbeddingRequest, prompts: list[list[int]], model: str)
                                    f"{only}", param="dimensions")
     blocks, bs = serving.info["num_kv_blocks"], serving.info["block_size"]
     for i, ids in enumerate(prompts):
-        need = -(-len(ids) // bs)
+        need = max_blocks_held(len(ids), bs, serving.info["kv_sliding_window"], serving.info["max_chunk_tokens"])
         if need > blocks:
-            raise OpenAIError(400, f"input[{i}] ({len(ids)} tokens) needs {need} KV blocks of {bs} tokens; the "
-                                   f"whole KV cache holds {blocks}", param="input")
+            raise OpenAIError(400, f"input[{i}] ({len(ids)} tokens) needs {need} KV blocks of {bs} tokens at once; "
+                                   f"the whole KV cache holds {blocks}", param="input")
     return prompts
 
 

@@ -176,6 +176,28 @@ def test_gguf_round_trip(tiny_model_dir, tmp_path):
     _assert_matches(llm, path, [llm.get_tokenizer().encode(p) for p in PROMPTS])
 
 
+def test_gemma2_gguf_round_trip(tiny_model_dir, tmp_path):
+    """A tiny Gemma 2 written as GGUF as llama.cpp's converter writes it (norms as 1 + w, the window and
+    both soft-caps in the metadata; the layer pattern and softmax scale are llama.cpp's fixed ones) loads
+    from the file as Gemma2ForCausalLM and gives the HF model's tokens and logits."""
+    from gguf import GGUFReader
+
+    from appliance.bench.gguf_export import write_gguf
+
+    path = tiny_model_dir("gemma2", False, 2, num_hidden_layers=3, sliding_window=WINDOW, query_pre_attn_scalar=16,
+                          attn_logit_softcapping=1.5, final_logit_softcapping=2.0,
+                          layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    gguf_path = write_gguf(path, tmp_path / "gemma2.gguf")
+    meta = {f.name: f.contents() for f in GGUFReader(gguf_path).fields.values() if f.name.startswith("gemma2.")}
+    assert meta["gemma2.attention.sliding_window"] == WINDOW and meta["gemma2.attn_logit_softcapping"] == 1.5
+    llm = LLM(str(gguf_path), dtype="float32", num_kv_blocks=128)
+    info = llm.engine.info
+    assert info.architecture == "Gemma2ForCausalLM"
+    assert info.hf_config["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert (info.hf_config["attn_logit_softcapping"], info.hf_config["final_logit_softcapping"]) == (1.5, 2.0)
+    _assert_matches(llm, path, [llm.get_tokenizer().encode(p) for p in PROMPTS])
+
+
 def _edited(src, dst, edit, key=None):
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())

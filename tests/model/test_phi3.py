@@ -151,3 +151,47 @@ def test_forced_preemption_gives_transformers_tokens(tiny_model_dir, name):
     assert engine.scheduler.num_preemptions > 0
     _, ref = hf_greedy(path, ids, MAX_NEW)
     assert got == ref
+
+
+@pytest.mark.parametrize("name,regime", [("phi3", "long"), ("phi3-partial", "short"), ("phi3-partial", "long"),
+                                         ("phi3-window", "long")])
+def test_gguf_round_trip(tiny_model_dir, tmp_path, name, regime):
+    """Phi-3 written as llama.cpp's converter writes it (attn_qkv and ffn_up = [gate; up] fused as in the
+    checkpoint, the rotated dims, longrope as rope_factors_long/short tensors with the original context
+    and attention factor, the window) loads as Phi3ForCausalLM and gives transformers' tokens and logits
+    in both longrope regimes."""
+    from gguf import GGUFReader
+
+    from appliance.bench.gguf_export import write_gguf
+
+    path = model_dir(tiny_model_dir, name)
+    gguf_path = write_gguf(path, tmp_path / f"{name}.gguf")
+    names = {t.name for t in GGUFReader(gguf_path).tensors}
+    assert {"blk.0.attn_qkv.weight", "blk.0.ffn_up.weight"} <= names and "blk.0.ffn_gate.weight" not in names
+    assert ("rope_factors_long.weight" in names) == (name != "phi3-window")
+    max_model_len = 512 if regime == "long" else ORIGINAL
+    llm = LLM(str(gguf_path), dtype="float32", num_kv_blocks=128, max_model_len=max_model_len)
+    assert llm.engine.info.architecture == "Phi3ForCausalLM"
+    check_against_transformers(llm, path, prompt_ids(llm.get_tokenizer(), regime), MAX_NEW)
+
+
+def test_q8_0_gguf_keeps_the_fused_blocks(tiny_model_dir, tmp_path):
+    """A Q8_0 Phi-3 file with ``--quantization gguf``: the fused attn_qkv and ffn_up tensors are kept as
+    the file's 8-bit blocks (W8 groups of 32, nothing re-quantized), and the logits stay within W8A8's
+    activation rounding of the same file's float route."""
+    from appliance.bench.gguf_export import write_gguf
+    from appliance.layers.quant import QuantLinear
+    from helpers import engine_logits
+
+    path = model_dir(tiny_model_dir, "phi3")
+    gguf_path = write_gguf(path, tmp_path / "phi3-q8_0.gguf", dtype="q8_0")
+    quant = LLM(str(gguf_path), dtype="float32", num_kv_blocks=64, quantization="gguf")
+    kept = {n: (m.scheme, m.group_size) for n, m in quant.engine.runner.model.named_modules()
+            if isinstance(m, QuantLinear)}
+    assert kept["model.layers.0.self_attn.qkv_proj"] == ("w8a8", 32)
+    assert kept["model.layers.1.mlp.gate_up_proj"] == ("w8a8", 32)
+    assert len(kept) == 9  # 4 projections x 2 layers and the lm_head
+    flt = LLM(str(gguf_path), dtype="float32", num_kv_blocks=64)
+    for ids in prompt_ids(flt.get_tokenizer(), "short"):
+        want, got = engine_logits(flt, ids), engine_logits(quant, ids)
+        assert (got - want).abs().max() <= 0.05 * want.abs().max(), ids

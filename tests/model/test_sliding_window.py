@@ -251,3 +251,52 @@ def test_mixed_layers_release_nothing(qwen2_mixed):
     engine = LLMEngine(EngineConfig(model=str(qwen2_mixed), dtype="float32", attention_backend="reference",
                                     block_size=4, num_kv_blocks=64))
     assert engine.kv.sliding_window is None
+
+
+def _held(req):
+    from appliance.engine.block_pool import NULL_BLOCK
+    return sum(b != NULL_BLOCK for b in req.block_ids)
+
+
+@pytest.mark.parametrize("backend", ["reference", "native"])
+def test_windowed_request_longer_than_the_pool_is_admitted(mistral, qwen2_mixed, backend):
+    """Admission counts the blocks a request holds at once: with every layer windowed that is the
+    window plus one step's chunk, so a 61-token request (16 blocks of 4) runs in a 6-block pool and
+    gives transformers' tokens; a model with a full-attention layer still needs all 16 and is refused
+    with the count in the message."""
+    cfg = dict(dtype="float32", attention_backend=backend, block_size=4, num_kv_blocks=6,
+               max_num_batched_tokens=4)
+    engine = LLMEngine(EngineConfig(model=str(mistral), **cfg))
+    ids = prompt_ids()[1]
+    assert engine.kv.max_blocks_held(len(ids) + MAX_NEW, 4) == 4 < engine.kv.num_blocks
+    got, _ = run_engine(engine, [ids], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    assert got == [hf_reference(mistral)[0][1]]
+    mixed = LLMEngine(EngineConfig(model=str(qwen2_mixed), **cfg))
+    with pytest.raises(Exception, match=r"needs 16 KV blocks of 4 tokens at once; the whole KV cache has 6"):
+        mixed.add_request("x", ids, SamplingParams(temperature=0, max_tokens=MAX_NEW))
+
+
+def test_prefix_hit_before_the_window_holds_no_blocks(mistral):
+    """A cached prefix longer than the window: the hit blocks before the window are not taken (NULL in
+    the table), so the second run holds no more blocks than the bound, hits the cache, and gives the
+    same tokens."""
+    engine = LLMEngine(EngineConfig(model=str(mistral), dtype="float32", attention_backend="reference",
+                                    block_size=4, num_kv_blocks=64, max_num_batched_tokens=4))
+    ids = prompt_ids()[1]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    want = [hf_reference(mistral)[0][1]]
+    assert run_engine(engine, [ids], params)[0] == want
+    hits = engine.kv.pool.num_hits
+    engine.add_request("again", ids, params)
+    req = engine.scheduler.requests["again"]
+    held, out = [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+        engine.check_integrity()
+        if not req.is_finished:
+            held.append(_held(req))
+    assert engine.kv.pool.num_hits - hits == (len(ids) - 1) // 4 * 4  # every full prompt block hit
+    assert max(held) <= WINDOW // 4 + 2, held
+    assert out.outputs[0].token_ids == want[0]
+    assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks

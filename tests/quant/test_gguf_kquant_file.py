@@ -89,9 +89,12 @@ def files(tmp_path_factory):
     return path, convert_gguf_to_hf(path, d / "converted")
 
 
-def test_kept_layers_are_the_blocks_and_mixed_fused_layers_take_the_float_route(files):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_layers_are_the_blocks_and_mixed_fused_layers_take_the_float_route(files, dtype):
+    """The blocks as stored, in any model dtype: scales and the fractional K-quant zero points stay
+    float32 (bf16 would round a zero point like -8 + dmin mn / (d sc) by up to 2^-6)."""
     path, _ = files
-    model = load(model_info(path), torch.float32, CPU, "w4a8", 32)
+    model = load(model_info(path), dtype, CPU, "w4a8", 32)
     r = gguf.GGUFReader(path)
     raw = {t.name: t for t in r.tensors}
     kept = 0
@@ -103,6 +106,7 @@ def test_kept_layers_are_the_blocks_and_mixed_fused_layers_take_the_float_route(
         parts = {"qkv_proj": ["attn_q", "attn_k", "attn_v"], "o_proj": ["attn_output"],
                  "gate_up_proj": ["ffn_gate", "ffn_up"], "down_proj": ["ffn_down"]}[name.rsplit(".", 1)[1]]
         types = {TYPES[f"blk.{layer}.{p}.weight"] for p in parts}
+        assert mod.weight_zero_point.dtype == torch.float32, name
         got = dequantize(mod.qweight, mod.weight_scale, mod.weight_zero_point)
         if types != {"Q4_K"}:  # Q6_K (W8 g16) alone or mixed with Q4_K: quantized to W4 from float
             assert mod.weight_scale.dtype == torch.float32
@@ -117,7 +121,7 @@ def test_kept_layers_are_the_blocks_and_mixed_fused_layers_take_the_float_route(
             assert (err <= 2.0 ** -22 * groupmax + 1e-30).all(), name
     # layer 0: o, gate_up kept; qkv mixes Q6_K; down Q6_K. layer 1: qkv, o, gate_up kept; down Q6_K
     assert kept == 5
-    assert model.lm_head.weight.dtype == torch.float32 and not isinstance(model.lm_head, QuantLinear)
+    assert model.lm_head.weight.dtype == dtype and not isinstance(model.lm_head, QuantLinear)
 
 
 @pytest.mark.parametrize("quantization,backend", [("none", "torch"), ("w4a8", "w4a16_int4pack"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -23,19 +24,22 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model_dir: Path, *args: str, env: dict | None = None, startup_timeout: float = 180):
+    def __init__(self, model_dir: Path, *args: str, env: dict | None = None, startup_timeout: float = 180,
+                 tls_ca: str | None = None):
+        """``tls_ca``: the server speaks HTTPS (--ssl-*) with a certificate this CA file verifies."""
         self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = f"{'https' if tls_ca else 'http'}://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="appliance-serve-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "appliance.cli", "serve", str(model_dir), "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+        verify = ssl.create_default_context(cafile=tls_ca) if tls_ca else True
         deadline = time.monotonic() + startup_timeout
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.output()}")
             try:
-                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{self.base_url}/health", timeout=1, verify=verify).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
