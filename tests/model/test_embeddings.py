@@ -181,3 +181,18 @@ def test_preempted_pooling_requests_recompute_to_the_same_vectors(base_dir):
     assert llm.engine.scheduler.num_preemptions > 0
     check(outs, path, "MEAN", False)
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_qwen3_embedding_layout_causal_config_bare_tensors(base_dir, tmp_path):
+    """Qwen3-Embedding's layout: config.json names Qwen3ForCausalLM, the tensors are a bare Qwen3Model's
+    (no ``model.`` prefix, no lm_head). runner=pooling loads it."""
+    src = base_dir("qwen3")
+    path = tmp_path / "qwen3-embedding-layout"
+    path.mkdir()
+    for f in src.iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["Qwen3ForCausalLM"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, runner="pooling")
+    check(llm.embed(PROMPTS), src, "LAST", True)
