@@ -375,6 +375,8 @@ class LLMEngine:
         touched: dict[str, _Parent] = {}
         t3 = time.perf_counter()
         if sampled:
+            if masks is not None and [r.request_id for r in sampled] != will_sample:
+                raise RuntimeError("grammar masks were computed for other rows than the sampler's")
             results = self.sampler(logits, sampled, masks.result() if masks is not None else None)
             t3 = time.perf_counter()
             now = time.monotonic()
