@@ -48,6 +48,38 @@ class StructuredOutputsParams:
             bad("choice", f"must be a non-empty list of non-empty strings, got {self.choice!r}")
 
 
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def _check_logit_bias(bias) -> dict[int, float] | None:
+    """{token id: bias} with int keys (OpenAI sends them as strings) and biases in [-100, 100]."""
+    if not isinstance(bias, dict):
+        raise InvalidRequestError(f"logit_bias must be an object of token id -> bias, got {type(bias).__name__}",
+                                  param="logit_bias")
+    out = {}
+    for k, v in bias.items():
+        try:
+            tid = int(k)
+            if isinstance(k, (bool, float)) or tid < 0:
+                raise ValueError
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"logit_bias keys must be non-negative token ids, got {k!r}",
+                                      param="logit_bias") from None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -LOGIT_BIAS_LIMIT <= v <= LOGIT_BIAS_LIMIT:
+            raise InvalidRequestError(
+                f"logit_bias[{k}] must be a number in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {v!r}",
+                param="logit_bias")
+        out[tid] = float(v)
+    return out or None
+
+
+def check_logit_bias_vocab(bias: dict[int, float] | None, vocab_size: int) -> None:
+    bad = sorted(t for t in (bias or {}) if t >= vocab_size)
+    if bad:
+        raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab_size}), got {bad[:5]}",
+                                  param="logit_bias")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -70,6 +102,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Constrained decoding (enforced by appliance.structured through the sampler's token mask).
     structured_outputs: StructuredOutputsParams | None = None
+    # {token_id: bias added to its logit}, OpenAI's logit_bias; each bias in [-100, 100] (token ids
+    # are checked against the vocabulary where it is known: the engine and the server).
+    logit_bias: dict[int, float] | None = None
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
@@ -114,6 +149,8 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in ids):
             bad("stop_token_ids", f"must be non-negative integers, got {ids!r}")
         self.stop_token_ids = ids
+        if self.logit_bias is not None:
+            self.logit_bias = _check_logit_bias(self.logit_bias)
 
     @property
     def stop_strings(self) -> list[str]:

@@ -27,7 +27,8 @@ from appliance.engine.sampler import Sampler, top_logprobs
 from appliance.engine.scheduler import Scheduler
 from appliance.errors import InvalidRequestError, ModelLoadError
 from appliance.pooling_params import PoolingParams
-from appliance.sampling_params import SamplingParams
+from appliance.sampling_params import SamplingParams, check_logit_bias_vocab
+from appliance.structured.matchers import StructuredOutputs
 
 log = logging.getLogger("appliance")
 
@@ -139,6 +140,8 @@ class LLMEngine:
         self.eos_token_ids = self.info.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.eos_token_ids += self._turn_end_ids()
+        # Grammar matchers of constrained sequences (llguidance is loaded on the first one).
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.parents: dict[str, _Parent] = {}
         # Seconds per part of ``step`` (forward_s: the model and logits; prepare_s: turning the
         # schedule into tensors; output_s: appending tokens, stop checks, detokenizing when this
@@ -237,6 +240,9 @@ class LLMEngine:
                 f"prompt ({n_prompt}) + max_tokens ({max_tokens}) needs {need} KV blocks of "
                 f"{self.config.block_size} tokens at once; the whole KV cache has {self.kv.num_blocks}",
                 "max_tokens")
+        check_logit_bias_vocab(params.logit_bias, self.vocab_size)
+        # Compiled before anything is queued: a bad grammar leaves no trace.
+        compiled = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
         children = []
         for i in range(params.n):
             sp = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
@@ -246,6 +252,8 @@ class LLMEngine:
         texts = [ChoiceText(self.tokenizer, ids, c.sampling_params) for c in children] if self.detokenize else None
         self.parents[request_id] = _Parent(request_id, text, ids, children, texts)
         for c in children:
+            if compiled is not None:
+                self.structured.add(c.request_id, compiled)  # each sequence its own matcher (n > 1 too)
             self.scheduler.add_request(c)
         return request_id
 
@@ -310,6 +318,7 @@ class LLMEngine:
                 self.sampler.forget(c.request_id)
                 if self.runner.pooler is not None:
                     self.runner.pooler.forget(c.request_id)
+                self.structured.forget(c.request_id)
 
     def stop_sequences(self, request_id: str, indices: list[int], stop_reason: str | None = None) -> bool:
         """End some sequences of a request as stopped (a stop string matched outside the engine):
@@ -325,6 +334,7 @@ class LLMEngine:
                 c.stop_reason = stop_reason
                 self.scheduler.finish_request(c.request_id, RequestStatus.FINISHED_STOPPED)
                 self.sampler.forget(c.request_id)
+                self.structured.forget(c.request_id)
         if all(c.is_finished for c in parent.children):
             del self.parents[request_id]
             return True
@@ -346,6 +356,13 @@ class LLMEngine:
             return self._step_pooling(sched, t0)
         plp_rows = [i for i, (r, _) in enumerate(sched.scheduled)
                     if r.prompt_logprobs is not None and r.num_computed_tokens < r.num_prompt_tokens]
+        masks = None
+        if self.structured.active:
+            # The sequences that sample this step (as update_computed will return them, in order):
+            # their grammar masks are computed on a worker thread while the forward pass below runs
+            # (llguidance releases the GIL, so does torch in its kernels); joined before sampling.
+            will_sample = [r.request_id for r, n in sched.scheduled if r.num_computed_tokens + n == r.num_tokens]
+            masks = self.structured.start_masks(will_sample)
         t1 = time.perf_counter()
         logits, plp = self.runner.execute(sched, plp_rows)
         t2 = time.perf_counter()
@@ -358,7 +375,9 @@ class LLMEngine:
         touched: dict[str, _Parent] = {}
         t3 = time.perf_counter()
         if sampled:
-            results = self.sampler(logits, sampled)
+            if masks is not None and [r.request_id for r in sampled] != will_sample:
+                raise RuntimeError("grammar masks were computed for other rows than the sampler's")
+            results = self.sampler(logits, sampled, masks.result() if masks is not None else None)
             t3 = time.perf_counter()
             now = time.monotonic()
             for req, res in zip(sampled, results):
@@ -425,7 +444,9 @@ class LLMEngine:
             req.cumulative_logprob += res.sampled_logprob
         sp = req.sampling_params
         status = None
-        if req.num_output_tokens >= sp.min_tokens:
+        if self.structured.advance(req.request_id, tok):  # the grammar is complete
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
+        elif req.num_output_tokens >= sp.min_tokens:
             if tok in req.eos_token_ids:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
             elif tok in sp.stop_token_ids:
@@ -441,6 +462,7 @@ class LLMEngine:
         if status is not None:
             self.scheduler.finish_request(req.request_id, status)
             self.sampler.forget(req.request_id)
+            self.structured.forget(req.request_id)
 
     def _output(self, p: _Parent) -> RequestOutput:
         outs = []

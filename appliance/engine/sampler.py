@@ -1,5 +1,10 @@
-"""Batched sampling: penalties, min_tokens, greedy, temperature / top-k / top-p / min-p, per-request
+"""Batched sampling: penalties, min_tokens, logit_bias, the structured-output token mask, greedy, temperature / top-k / top-p / min-p, per-request
 seeds, and logprobs of the raw model distribution (as vLLM reports them).
+
+The grammar's mask (``appliance.structured``) is applied after the penalties and logit_bias and
+before temperature / top-k / top-p / min-p, so a masked token has probability 0 on every path
+(greedy included) and the truncations only ever choose among allowed tokens. Logprobs stay those
+of the raw model distribution (as vLLM's default).
 
 A seeded request draws its noise from its own ``torch.Generator``, advanced once per step of that
 request, so its output does not depend on what else is in the batch.
@@ -28,6 +33,20 @@ def top_logprobs(logprobs_row: torch.Tensor, token_id: int, k: int) -> dict[int,
         out = dict(zip(ids.tolist(), vals.tolist()))
     out[token_id] = float(logprobs_row[token_id])
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bits: torch.Tensor) -> None:
+    """Set to -inf, in place, the logits of ``rows`` whose token is not allowed by ``bits``: int32
+    ``[len(rows), ceil(vocab / 32)]``, bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed.
+    Columns past the mask's width (a model vocabulary larger than the tokenizer's) are masked."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).reshape(len(rows), -1).bool()
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    allowed = allowed[:, :vocab]
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
 
 
 class Sampler:
@@ -67,9 +86,11 @@ class Sampler:
                 if banned:
                     logits[i, torch.tensor(banned, dtype=torch.long, device=logits.device)] = float("-inf")
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
-        """logits: float32 [len(reqs), vocab] for the last position of each request."""
+    def __call__(self, logits: torch.Tensor, reqs: list[Request], masks=None) -> list[SampleResult]:
+        """logits: float32 [len(reqs), vocab] for the last position of each request. ``masks``: an
+        ``appliance.structured.StepMasks`` (rows and their int32 bitmasks) or None."""
         n = len(reqs)
+        raw_in = logits
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in reqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -84,6 +105,28 @@ class Sampler:
             sub = logits[rows]
             self._apply_penalties(sub, [reqs[i] for i in rows])
             logits[rows] = sub
+        biased = [i for i in range(n) if reqs[i].sampling_params.logit_bias]
+        if biased:
+            if logits is raw_in:
+                logits = logits.clone()
+            for i in biased:
+                bias = reqs[i].sampling_params.logit_bias
+                ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+                logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+        if masks is not None:
+            if logits is raw_in:
+                logits = logits.clone()
+            bits = torch.from_numpy(masks.bits).to(logits.device)
+            apply_token_bitmask(logits, masks.rows, bits)
+            idx = torch.tensor(masks.rows, dtype=torch.long, device=logits.device)
+            dead = torch.isneginf(logits[idx]).all(dim=-1).nonzero().flatten().tolist()
+            if dead:
+                # min_tokens banned every token the grammar allows (only EOS was left): the grammar
+                # wins, and the row samples among its allowed tokens without the ban.
+                rows = [masks.rows[j] for j in dead]
+                fixed = raw_in[rows].clone()
+                apply_token_bitmask(fixed, list(range(len(rows))), bits[dead])
+                logits[rows] = fixed
 
         token_ids = [0] * n
         greedy = [i for i in range(n) if reqs[i].sampling_params.greedy]

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from appliance.engine.kv_cache_manager import max_blocks_held
 from appliance.errors import InvalidRequestError
-from appliance.sampling_params import SamplingParams
+from appliance.sampling_params import SamplingParams, check_logit_bias_vocab
 from appliance.server.async_engine import (
     AsyncEngineClient, EngineDeadError, RequestAborted, RequestStream, iterate_streams,
 )
@@ -30,6 +30,7 @@ from appliance.server.protocol import (
 )
 from appliance.generation_defaults import apply_defaults
 from appliance.server.vllm_extras import check_compat_probes, prompt_logprobs_json, top_k_of
+from appliance.structured.requests import from_request
 
 log = logging.getLogger("appliance.server")
 _DISCONNECT_POLL_S = 0.5
@@ -115,6 +116,10 @@ class OpenAIServing:
             raise OpenAIError(400, f"This model's maximum context length is {max_len} tokens, but the prompt has "
                                    f"{n} tokens and max_tokens is {max_tokens} ({n + max_tokens} in total)",
                               param="max_tokens", code="context_length_exceeded")
+        try:
+            check_logit_bias_vocab(params.logit_bias, vocab)
+        except InvalidRequestError as e:
+            raise OpenAIError(400, str(e), param=e.param, code="invalid_value") from None
         bs, blocks = self.info["block_size"], self.info["num_kv_blocks"]
         need = max_blocks_held(n + max_tokens, bs, self.info["kv_sliding_window"], self.info["max_chunk_tokens"])
         if need > blocks:
@@ -123,12 +128,11 @@ class OpenAIServing:
 
     @staticmethod
     def sampling_params(req, max_tokens, logprobs, prompt_logprobs=None, defaults=None) -> SamplingParams:
-        if req.logit_bias:
-            raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
         check_compat_probes(req)
         if req.prompt_logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, req.prompt_logprobs)
-        kw = dict(n=req.n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        kw = dict(logit_bias=req.logit_bias, structured_outputs=from_request(req),
+                  n=req.n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                   min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop=req.stop,
                   stop_token_ids=req.stop_token_ids, seed=req.seed, skip_special_tokens=req.skip_special_tokens,
                   include_stop_str_in_output=req.include_stop_str_in_output)

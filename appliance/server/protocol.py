@@ -78,6 +78,13 @@ class _SamplingFields(_Base):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     prompt_logprobs: int | None = None  # vLLM's extension: logprobs of the prompt tokens
+    # Output constraints, read by appliance/structured/requests.py (at most one may be set).
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: Union[dict, str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
