@@ -1,0 +1,21 @@
+"""The CUDA op set's tests run on the GPU when there is one and under the Triton interpreter on the
+CPU otherwise. ``triton.jit`` reads TRITON_INTERPRET when it decorates a kernel, so it is set here,
+before any test module imports appliance.ops.triton_kernels."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e .[test])")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def device() -> str:
+    return DEVICE
