@@ -67,7 +67,7 @@ def serve(
     prefix_caching: Annotated[Optional[bool], Opt(
         "--prefix-caching/--no-prefix-caching", "--enable-prefix-caching/--no-enable-prefix-caching",
         help="Reuse KV blocks of shared prompt prefixes.")] = None,
-    attention_backend: Annotated[Optional[str], Opt(help="auto | native | reference.")] = None,
+    attention_backend: Annotated[Optional[str], Opt(help="auto | native | reference | cuda (Triton kernels).")] = None,
     linear_backend: Annotated[Optional[str], Opt(
         help="auto (measured per shape) | torch | onednn | native | w8a8_onednn | w8a8_native | w8a16_int8pack | w4a8_dynquant | w4a16_int4pack.")] = None,
     quantization: Annotated[Optional[str], Opt(help="Quantize a float checkpoint at load: none | w8a8 | w4a8; gguf: a GGUF's projections as the file stores them.")] = None,
@@ -211,7 +211,7 @@ def generate(
     max_model_len: Annotated[Optional[int], typer.Option(help="Context length (default: the model's).")] = None,
     kv_cache_memory: Annotated[Optional[float], typer.Option(help="KV cache size in GiB.")] = None,
     block_size: Annotated[Optional[int], typer.Option(help="Tokens per KV block.")] = None,
-    attention_backend: Annotated[Optional[str], typer.Option(help="auto | native | reference.")] = None,
+    attention_backend: Annotated[Optional[str], typer.Option(help="auto | native | reference | cuda (Triton kernels).")] = None,
     linear_backend: Annotated[Optional[str], typer.Option(help="auto (measured per shape) | torch | onednn | native | w8a8_onednn | ...")] = None,
     quantization: Annotated[Optional[str], typer.Option(help="Quantize at load: none | w8a8 | w4a8; gguf: a GGUF's projections as the file stores them.")] = None,
     quant_group_size: Annotated[Optional[int], typer.Option(help="W4 group size.")] = None,

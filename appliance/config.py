@@ -13,7 +13,7 @@ from pathlib import Path
 from appliance.errors import InvalidRequestError
 
 DTYPES = ("auto", "float32", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "native", "reference")
+ATTENTION_BACKENDS = ("auto", "native", "reference", "cuda")
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "native",  # float; then quantized (appliance/layers/quant.py)
                    "w8a8_onednn", "w8a8_native", "w8a16_int8pack", "w4a8_dynquant", "w4a16_int4pack")
 # "gguf": a GGUF's projections as the file stores them (vLLM's name), each in its type's scheme
