@@ -104,6 +104,13 @@ def serve(
     generation_config: Annotated[str, Opt(
         help="auto: the model's generation_config.json (or a GGUF's general.sampling.* keys) gives default "
              "temperature/top_p/top_k/min_p/repetition_penalty and a max_tokens cap; vllm: ignore it.")] = "auto",
+    device: Annotated[Optional[str], Opt(
+        help="auto (cuda when torch can use a GPU) | cpu (the default) | cuda.")] = None,
+    gpu_memory_utilization: Annotated[Optional[float], Opt(
+        help="CUDA: fraction of the GPU's memory this engine may use; the KV cache gets what weights and "
+             "activations leave of it (default 0.9).")] = None,
+    enforce_eager: Annotated[Optional[bool], Opt(
+        "--enforce-eager/--no-enforce-eager", help="CUDA: run decode eagerly, without CUDA graphs.")] = None,
     config: Annotated[Optional[str], Opt(
         help="YAML file of flag values (keys: flag names, e.g. max-model-len: 4096); flags given here win.")] = None,
 ):
@@ -130,8 +137,8 @@ def serve(
          prefix_caching, attention_backend, linear_backend, quantization, quant_group_size,
          long_prefill_token_threshold, itl_target, num_threads, allocator, omp_threads_bind, seed, max_queued_requests,
          shutdown_timeout, log_level, uvicorn_log_level, allowed_origins, allowed_methods, allowed_headers,
-         allow_credentials, ssl_keyfile, ssl_certfile, root_path, generation_config) = (
-            a[k] for k in _SERVE_PARAMS)
+         allow_credentials, ssl_keyfile, ssl_certfile, root_path, generation_config, device,
+         gpu_memory_utilization, enforce_eager) = (a[k] for k in _SERVE_PARAMS)
     if kv_cache_memory_bytes is not None:
         if kv_cache_memory is not None:
             _fail(f"give one of --kv-cache-memory ({kv_cache_memory} GiB) and --kv-cache-memory-bytes "
@@ -153,7 +160,8 @@ def serve(
         itl_target=itl_target if itl_target is not None else os.environ.get("APPLIANCE_ITL_TARGET", "auto"),
         linear_backend=linear_backend, quantization=quantization, quant_group_size=quant_group_size,
         num_threads=num_threads, seed=seed, allocator=allocator,
-        omp_threads_bind=omp_threads_bind,
+        omp_threads_bind=omp_threads_bind, device=device, gpu_memory_utilization=gpu_memory_utilization,
+        enforce_eager=enforce_eager,
     )
     try:
         engine_kwargs.update(vllm_compat.vllm_env_engine_kwargs(engine_kwargs))
@@ -185,7 +193,8 @@ _SERVE_PARAMS = ("model", "model_opt", "tokenizer", "host", "port", "served_mode
                  "quantization", "quant_group_size", "long_prefill_token_threshold", "itl_target", "num_threads",
                  "allocator", "omp_threads_bind", "seed", "max_queued_requests", "shutdown_timeout", "log_level",
                  "uvicorn_log_level", "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials",
-                 "ssl_keyfile", "ssl_certfile", "root_path", "generation_config")
+                 "ssl_keyfile", "ssl_certfile", "root_path", "generation_config", "device",
+                 "gpu_memory_utilization", "enforce_eager")
 
 
 @app.command()

@@ -19,6 +19,7 @@ import torch
 
 from appliance.config import EngineConfig
 from appliance.engine.detokenizer import ChoiceText
+from appliance.engine.device import resolve_device
 from appliance.engine.step_cost import parse_itl_target
 from appliance.engine.kv_cache_manager import KVCacheManager
 from appliance.engine.model_runner import ModelRunner
@@ -86,7 +87,7 @@ class LLMEngine:
 
         self.config = config
         self.detokenize = detokenize
-        self.device = torch.device(config.device)
+        self.device = resolve_device(config.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_path = resolve_model_source(config.model)  # a model directory or a GGUF file

@@ -10,6 +10,7 @@ import psutil
 import torch
 
 from appliance.config import EngineConfig
+from appliance.engine.device import activation_reserve_bytes, gpu_kv_budget_bytes
 from appliance.engine.scheduler import SchedulerOutput
 from appliance.layers.linear import select_backends
 from appliance.layers.forward_context import AttentionMetadata, ForwardContext, set_forward_context
@@ -34,7 +35,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = load_model(info, dtype, device, config.quantization, config.quant_group_size,
                                 config.linear_backend)
-        self.ops = get_ops(config.attention_backend)
+        self.ops = get_ops(config.attention_backend, device.type)
         self.model.prepare(self.ops, max_model_len, device)
         self.linear_backends = select_backends(self.model, config.linear_backend, dtype, device)
         release_free_memory()  # the checkpoint forms that packing freed
@@ -69,6 +70,8 @@ class ModelRunner:
             return config.num_kv_blocks
         if config.kv_cache_memory is not None:
             budget = config.kv_cache_memory * GiB
+        elif self.device.type == "cuda":
+            budget = self._gpu_kv_budget(config)
         else:
             budget = min(DEFAULT_KV_FRACTION * psutil.virtual_memory().available, DEFAULT_KV_CAP_GIB * GiB)
         n = int(budget // self.bytes_per_block)
@@ -76,6 +79,16 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory={budget / GiB:.3f} GiB holds no KV block "
                              f"(one block needs {self.bytes_per_block / GiB:.6f} GiB)")
         return n
+
+    def _gpu_kv_budget(self, config: EngineConfig) -> int:
+        # weights are loaded by now, so mem_get_info's "used" includes them
+        free, total = torch.cuda.mem_get_info(self.device)
+        cfg = self.model.config
+        reserve = activation_reserve_bytes(
+            cfg.hidden_size, getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size,
+            (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, cfg.vocab_size,
+            config.max_num_batched_tokens, config.max_num_seqs)
+        return gpu_kv_budget_bytes(free, total, config.gpu_memory_utilization, reserve)
 
     def _inputs(self, sched: SchedulerOutput):
         bs = self.block_size
