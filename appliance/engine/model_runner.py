@@ -10,10 +10,12 @@ import psutil
 import torch
 
 from appliance.config import EngineConfig
+from appliance.engine.cuda_graphs import DecodeGraphRunner, cuda_graph_capture
 from appliance.engine.device import activation_reserve_bytes, gpu_kv_budget_bytes
 from appliance.engine.scheduler import SchedulerOutput
 from appliance.layers.linear import select_backends
 from appliance.layers.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from appliance.layers.fused_moe import Router
 from appliance.models.loader import ModelInfo
 from appliance.models.loader import load as load_model
 from appliance.ops import get_ops
@@ -59,6 +61,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros((self.num_layers, 2, *shape), dtype=dtype, device=device)
         self.last_prepare_s = 0.0
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
+        self.graphs = self._decode_graphs(config, max_model_len) if device.type == "cuda" else None
 
     @property
     def bytes_per_block(self) -> int:
@@ -79,6 +82,19 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory={budget / GiB:.3f} GiB holds no KV block "
                              f"(one block needs {self.bytes_per_block / GiB:.6f} GiB)")
         return n
+
+    def _decode_graphs(self, config: EngineConfig, max_model_len: int) -> DecodeGraphRunner | None:
+        if config.enforce_eager:
+            return None
+        if any(isinstance(m, Router) for m in self.model.modules()):
+            # expert routing counts tokens per expert on the host (grouped_experts): not capturable
+            log.info("decode CUDA graphs off: mixture-of-experts routing synchronizes with the host")
+            return None
+        t0 = time.perf_counter()
+        graphs = DecodeGraphRunner(self.model, self.ops, self.kv_caches, config.max_num_seqs,
+                                   -(-max_model_len // self.block_size), self.device, cuda_graph_capture())
+        log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", graphs.sizes, time.perf_counter() - t0)
+        return graphs
 
     def _gpu_kv_budget(self, config: EngineConfig) -> int:
         # weights are loaded by now, so mem_get_info's "used" includes them
@@ -142,8 +158,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         ids, pos, md, logits_idx = self._inputs(sched)
         self.last_prepare_s = time.perf_counter() - t0  # input preparation, reported apart from the forward
-        with set_forward_context(ForwardContext(md, self.kv_caches, self.ops)):
-            hidden = self.model(ids, pos)
+        if (self.graphs is not None and md.max_query_len == 1 and not prompt_logprob_rows
+                and self.graphs.padded_size(ids.shape[0]) is not None):
+            hidden = self.graphs.run(ids, pos, md)  # a decode batch: padded, replayed
+        else:
+            with set_forward_context(ForwardContext(md, self.kv_caches, self.ops)):
+                hidden = self.model(ids, pos)
         logits = self.model.compute_logits(hidden[logits_idx]) if logits_idx else None
         extra = {}
         if prompt_logprob_rows:
