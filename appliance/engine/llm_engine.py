@@ -68,11 +68,13 @@ class _Parent:
     texts: list[ChoiceText] | None  # None: not detokenized here
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
     if name == "float32":
         return torch.float32
     if name == "bfloat16":
         return torch.bfloat16
+    if device is not None and device.type == "cuda":
+        return torch.bfloat16  # every GPU the CUDA op set targets has bf16 tensor cores
     from appliance.runtime.cpu_features import detect
 
     return torch.bfloat16 if detect().native_bf16 else torch.float32
@@ -103,7 +105,7 @@ class LLMEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or tokenizer_path(self.model_path)))
         except Exception as e:  # tokenizers raise many types for missing/corrupt files
             raise ModelLoadError(f"{config.tokenizer or self.model_path}: cannot load tokenizer ({e})") from e
-        self.dtype = resolve_dtype(config.dtype)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.runner = ModelRunner(config, self.info, self.dtype, self.max_model_len, self.device)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  self.runner.sliding_window)

@@ -90,3 +90,10 @@ def test_serve_flags_reach_the_engine_config(monkeypatch):
     assert (seen["c"].device, seen["c"].gpu_memory_utilization, seen["c"].enforce_eager) == ("cpu", 0.9, False)
     r = CliRunner().invoke(app, ["serve", "/some/model", "--gpu-memory-utilization", "2"], catch_exceptions=False)
     assert r.exit_code == 2 and "gpu_memory_utilization" in r.output
+
+
+def test_auto_dtype_on_cuda_is_bfloat16():
+    from appliance.engine.llm_engine import resolve_dtype
+
+    assert resolve_dtype("auto", torch.device("cuda")) is torch.bfloat16
+    assert resolve_dtype("float32", torch.device("cuda")) is torch.float32
