@@ -76,9 +76,11 @@ class DecodeGraphRunner:
         # decode: sequence b's one query is row b, whatever the batch size
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
-        # largest first: with a shared pool, smaller graphs reuse the largest one's memory
-        for size in reversed(self.sizes):
-            self.graphs[size] = capture(self._forward_fn(size))
+        # largest first: with a shared pool, smaller graphs reuse the largest one's memory. Inference
+        # mode as in the steps that replay them (no autograd state recorded into the graphs).
+        with torch.inference_mode():
+            for size in reversed(self.sizes):
+                self.graphs[size] = capture(self._forward_fn(size))
 
     def _forward_fn(self, size: int) -> Callable[[], torch.Tensor]:
         md = AttentionMetadata(

@@ -138,17 +138,25 @@ class ModelRunner:
         for i, (req, _) in enumerate(sched.scheduled):
             table[i, : len(req.block_ids)] = req.block_ids
         dev = self.device
+        if dev.type == "cuda":
+            # built on the host, pinned, copied without blocking: the copies queue behind the previous
+            # step's kernels instead of waiting for them (torch.tensor(..., device=cuda) would sync)
+            def to_dev(t):
+                return t.pin_memory().to(dev, non_blocking=True)
+        else:
+            def to_dev(t):
+                return t
         md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_table=torch.from_numpy(table).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            slot_mapping=to_dev(torch.tensor(slots, dtype=torch.int64)),
+            block_table=to_dev(torch.from_numpy(table)),
+            seq_lens=to_dev(torch.tensor(seq_lens, dtype=torch.int32)),
+            query_start_loc=to_dev(torch.tensor(qsl, dtype=torch.int32)),
             max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
             max_seq_len=max(seq_lens),
             is_prefill_only=not any_context,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        ids = to_dev(torch.tensor(input_ids, dtype=torch.int64))
+        pos = to_dev(torch.tensor(positions, dtype=torch.int64))
         return ids, pos, md, logits_idx
 
     @torch.inference_mode()
