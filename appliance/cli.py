@@ -85,6 +85,10 @@ def serve(
              "Also read from VLLM_CPU_OMP_THREADS_BIND; VLLM_CPU_NUM_OF_RESERVED_CPU=N leaves N of those "
              "cores to the frontend.")] = None,
     seed: Annotated[Optional[int], Opt(help="Seed of unseeded sampling.")] = None,
+    runner: Annotated[Optional[str], Opt(
+        help="auto (pooling for an embedding architecture) | generate | pooling (/v1/embeddings).")] = None,
+    pooler_config: Annotated[Optional[str], Opt(
+        help='Pooling runner: JSON like {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": true}.')] = None,
     max_queued_requests: Annotated[Optional[int], Opt(
         help="Sequences allowed to wait beyond max_num_seqs; more get 503 (default: no limit).")] = None,
     shutdown_timeout: Annotated[float, Opt(help="Seconds in-flight requests get to finish on SIGTERM.")] = 30.0,
@@ -115,68 +119,62 @@ def serve(
         help="YAML file of flag values (keys: flag names, e.g. max-model-len: 4096); flags given here win.")] = None,
 ):
     """Serve a model over an OpenAI-compatible HTTP API."""
+    from types import SimpleNamespace
+
     from appliance.config import EngineConfig
     from appliance.errors import ApplianceError
     from appliance.server.launcher import ServerConfig, serve as run_server
 
     from appliance import vllm_compat
 
+    # Every parameter by name, so a --config file can set any of them (the command line wins there).
+    values = {k: (list(v) if isinstance(v, tuple) else v) for k, v in ctx.params.items() if k != "config"}
     if config is not None:
         try:
-            from_file = vllm_compat.config_file_values(ctx, config)
+            values.update(vllm_compat.config_file_values(ctx, config))
         except ApplianceError as e:
             _fail(str(e), 2)
-        missing = sorted(set(from_file) - set(_SERVE_PARAMS))
-        if missing:  # a parameter added to serve() but not to _SERVE_PARAMS: refuse rather than ignore
-            _fail(f"--config {config}: {', '.join(missing)} cannot be set from a config file; give it as a flag", 2)
-        # Parameters of this function, rebound from the file (the command line already won there).
-        a = {**ctx.params, **from_file}
-        a = {k: (list(v) if isinstance(v, tuple) else v) for k, v in a.items()}
-        (model, model_opt, tokenizer, host, port, served_model_name, api_key, max_model_len, max_num_seqs,
-         max_num_batched_tokens, kv_cache_memory, kv_cache_memory_bytes, num_kv_blocks, block_size, dtype,
-         prefix_caching, attention_backend, linear_backend, quantization, quant_group_size,
-         long_prefill_token_threshold, itl_target, num_threads, allocator, omp_threads_bind, seed, max_queued_requests,
-         shutdown_timeout, log_level, uvicorn_log_level, allowed_origins, allowed_methods, allowed_headers,
-         allow_credentials, ssl_keyfile, ssl_certfile, root_path, generation_config, device,
-         gpu_memory_utilization, enforce_eager) = (a[k] for k in _SERVE_PARAMS)
-    if kv_cache_memory_bytes is not None:
+    a = SimpleNamespace(**values)
+    kv_cache_memory = a.kv_cache_memory
+    if a.kv_cache_memory_bytes is not None:
         if kv_cache_memory is not None:
             _fail(f"give one of --kv-cache-memory ({kv_cache_memory} GiB) and --kv-cache-memory-bytes "
-                  f"({kv_cache_memory_bytes}), not both", 2)
+                  f"({a.kv_cache_memory_bytes}), not both", 2)
         try:
             kv_cache_memory = vllm_compat.bytes_to_gib(
-                vllm_compat.parse_size("--kv-cache-memory-bytes", kv_cache_memory_bytes))
+                vllm_compat.parse_size("--kv-cache-memory-bytes", a.kv_cache_memory_bytes))
         except ApplianceError as e:
             _fail(str(e), 2)
-    if model is not None and model_opt is not None and model != model_opt:
-        _fail(f"the model is given twice: {model!r} and --model {model_opt!r}", 2)
-    model = model if model is not None else model_opt
+    if a.model is not None and a.model_opt is not None and a.model != a.model_opt:
+        _fail(f"the model is given twice: {a.model!r} and --model {a.model_opt!r}", 2)
+    model = a.model if a.model is not None else a.model_opt
     engine_kwargs = dict(
-        model=model, tokenizer=tokenizer, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
-        num_kv_blocks=num_kv_blocks, block_size=block_size, dtype=dtype, enable_prefix_caching=prefix_caching,
-        attention_backend=attention_backend, long_prefill_token_threshold=long_prefill_token_threshold,
+        model=model, tokenizer=a.tokenizer, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
+        num_kv_blocks=a.num_kv_blocks, block_size=a.block_size, dtype=a.dtype, enable_prefix_caching=a.prefix_caching,
+        attention_backend=a.attention_backend, long_prefill_token_threshold=a.long_prefill_token_threshold,
         # a server streams: protect running decodes unless told otherwise (the offline LLM defaults off)
-        itl_target=itl_target if itl_target is not None else os.environ.get("APPLIANCE_ITL_TARGET", "auto"),
-        linear_backend=linear_backend, quantization=quantization, quant_group_size=quant_group_size,
-        num_threads=num_threads, seed=seed, allocator=allocator,
-        omp_threads_bind=omp_threads_bind, device=device, gpu_memory_utilization=gpu_memory_utilization,
-        enforce_eager=enforce_eager,
+        itl_target=a.itl_target if a.itl_target is not None else os.environ.get("APPLIANCE_ITL_TARGET", "auto"),
+        linear_backend=a.linear_backend, quantization=a.quantization, quant_group_size=a.quant_group_size,
+        num_threads=a.num_threads, seed=a.seed, allocator=a.allocator,
+        omp_threads_bind=a.omp_threads_bind, runner=a.runner, pooler_config=a.pooler_config,
+        device=a.device, gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
     )
     try:
         engine_kwargs.update(vllm_compat.vllm_env_engine_kwargs(engine_kwargs))
         # Only flags given on the command line; unset ones come from APPLIANCE_* or the defaults.
         engine_config = EngineConfig.from_kwargs(**{k: v for k, v in engine_kwargs.items()
                                                     if v is not None or k == "model"})
-        server_config = ServerConfig(host=host, port=port, served_model_name=served_model_name or None,
-                                     api_key=api_key or vllm_compat.vllm_env_api_keys() or None,
-                                     max_queued_requests=max_queued_requests, shutdown_timeout=shutdown_timeout,
-                                     log_level=log_level.lower(),
-                                     uvicorn_log_level=uvicorn_log_level.lower() if uvicorn_log_level else None,
-                                     allowed_origins=allowed_origins or None, allowed_methods=allowed_methods or None,
-                                     allowed_headers=allowed_headers or None, allow_credentials=allow_credentials,
-                                     ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile, root_path=root_path or "",
-                                     generation_config=generation_config)
+        server_config = ServerConfig(host=a.host, port=a.port, served_model_name=a.served_model_name or None,
+                                     api_key=a.api_key or vllm_compat.vllm_env_api_keys() or None,
+                                     max_queued_requests=a.max_queued_requests, shutdown_timeout=a.shutdown_timeout,
+                                     log_level=a.log_level.lower(),
+                                     uvicorn_log_level=a.uvicorn_log_level.lower() if a.uvicorn_log_level else None,
+                                     allowed_origins=a.allowed_origins or None,
+                                     allowed_methods=a.allowed_methods or None,
+                                     allowed_headers=a.allowed_headers or None, allow_credentials=a.allow_credentials,
+                                     ssl_keyfile=a.ssl_keyfile, ssl_certfile=a.ssl_certfile,
+                                     root_path=a.root_path or "", generation_config=a.generation_config)
     except ApplianceError as e:
         _fail(str(e), 2)
     try:
@@ -184,17 +182,6 @@ def serve(
     except ApplianceError as e:
         _fail(str(e), 1)
     raise typer.Exit(code)
-
-
-# serve's parameters in signature order (for rebinding them from --config)
-_SERVE_PARAMS = ("model", "model_opt", "tokenizer", "host", "port", "served_model_name", "api_key", "max_model_len",
-                 "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "kv_cache_memory_bytes",
-                 "num_kv_blocks", "block_size", "dtype", "prefix_caching", "attention_backend", "linear_backend",
-                 "quantization", "quant_group_size", "long_prefill_token_threshold", "itl_target", "num_threads",
-                 "allocator", "omp_threads_bind", "seed", "max_queued_requests", "shutdown_timeout", "log_level",
-                 "uvicorn_log_level", "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials",
-                 "ssl_keyfile", "ssl_certfile", "root_path", "generation_config", "device",
-                 "gpu_memory_utilization", "enforce_eager")
 
 
 @app.command()

@@ -20,6 +20,8 @@ LINEAR_BACKENDS = ("auto", "torch", "onednn", "native",  # float; then quantized
 # "gguf": a GGUF's projections as the file stores them (vLLM's name), each in its type's scheme
 QUANTIZATIONS = ("none", "w8a8", "w4a8", "gguf")
 ALLOCATORS = ("mimalloc", "glibc-tuned", "system")
+# vLLM's --runner: auto = pooling for a pooling architecture (a bare *Model), generate otherwise
+RUNNERS = ("auto", "generate", "pooling")
 
 
 def _positive(name: str, value, allow_none: bool = False):
@@ -60,6 +62,10 @@ class EngineConfig:
     device: str = "cpu"  # DEVICES; the CPU unless asked: this engine is CPU-first
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the GPU's memory this engine may use (vLLM's)
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs
+    runner: str = "auto"
+    # --pooler-config: {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": bool} (a dict or its JSON text);
+    # unset fields come from the checkpoint (appliance.layers.pooler.resolve_pooler_config)
+    pooler_config: dict | str | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -82,6 +88,12 @@ class EngineConfig:
         if self.allocator not in ALLOCATORS:
             raise InvalidRequestError(
                 f"allocator must be one of {', '.join(ALLOCATORS)}; got {self.allocator!r}", "allocator")
+        if self.runner not in RUNNERS:
+            raise InvalidRequestError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}", "runner")
+        if self.pooler_config is not None:
+            from appliance.layers.pooler import parse_pooler_config
+
+            parse_pooler_config(self.pooler_config)  # refuse a bad one before the model loads
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)

@@ -4,9 +4,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from appliance.config import EngineConfig
-from appliance.engine.llm_engine import LLMEngine, RequestOutput
+from appliance.engine.llm_engine import EmbeddingRequestOutput, LLMEngine, RequestOutput
 from appliance.errors import InvalidRequestError
 from appliance.generation_defaults import load_generation_defaults
+from appliance.pooling_params import PoolingParams
 from appliance.sampling_params import SamplingParams
 
 
@@ -51,6 +52,31 @@ class LLM:
                 raise ValueError(f"got {len(items)} prompts but {len(params)} sampling params")
         return self._run(items, params)
 
+    def embed(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (a string or a list of token ids), in input order; needs
+        ``runner="pooling"`` (or a pooling architecture). ``outputs.embedding`` is a list of floats."""
+        if isinstance(prompts, str):
+            items = [prompts]
+        elif prompts and isinstance(prompts[0], int):
+            items = [list(prompts)]
+        else:
+            items = list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            base = pooling_params or PoolingParams()
+            if truncate_prompt_tokens is not None:
+                base = PoolingParams(base.dimensions, base.normalize, truncate_prompt_tokens)
+            params = [base] * len(items)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(items):
+                raise ValueError(f"got {len(items)} prompts but {len(params)} pooling params")
+        return self._run(items, params)
+
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
@@ -81,7 +107,7 @@ class LLM:
                                        add_generation_prompt=add_generation_prompt and not continue_final_message, **kw)
         return tok.encode(text, add_special_tokens=False)
 
-    def _run(self, items: list, params: list[SamplingParams]) -> list[RequestOutput]:
+    def _run(self, items: list, params: list) -> list:
         engine = self.engine
         ids = []
         try:

@@ -85,3 +85,20 @@ def make_tiny_model(path: Path, arch: str = "llama", tie: bool = False, num_kv_h
     model.save_pretrained(str(path), safe_serialization=True)
     _tokenizer_files(path)
     return path
+
+
+def make_tiny_base_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A tiny random bare ``*Model`` (LlamaModel, Qwen3Model, ...: no lm_head, tensor names without
+    the ``model.`` prefix), saved as embedding checkpoints are, with the same tokenizer. Returns ``path``."""
+    import shutil
+
+    import transformers as tf
+
+    causal = make_tiny_model(path.with_name(path.name + "-causal"), arch, seed=seed, **overrides)
+    base = tf.AutoModelForCausalLM.from_pretrained(str(causal), dtype=torch.float32).model
+    path.mkdir(parents=True, exist_ok=True)
+    base.save_pretrained(str(path), safe_serialization=True)
+    for f in causal.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name == "chat_template.jinja":
+            shutil.copy(f, path / f.name)
+    return path

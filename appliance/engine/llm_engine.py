@@ -27,6 +27,7 @@ from appliance.engine.request import FINISH_REASON, Request, RequestStatus
 from appliance.engine.sampler import Sampler, top_logprobs
 from appliance.engine.scheduler import Scheduler
 from appliance.errors import InvalidRequestError, ModelLoadError
+from appliance.pooling_params import PoolingParams
 from appliance.sampling_params import SamplingParams
 
 log = logging.getLogger("appliance")
@@ -57,6 +58,29 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class EmbeddingOutput:
+    """The pooled vector of one prompt (vLLM's ``EmbeddingOutput``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """A finished pooling request (vLLM's ``EmbeddingRequestOutput``): ``outputs.embedding``."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -94,6 +118,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.model_path = resolve_model_source(config.model)  # a model directory or a GGUF file
         self.info = model_info(self.model_path)
+        self.pooler_config = self._resolve_runner()  # None: a generate runner
         limit = self.info.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
             raise InvalidRequestError(
@@ -106,7 +131,7 @@ class LLMEngine:
         except Exception as e:  # tokenizers raise many types for missing/corrupt files
             raise ModelLoadError(f"{config.tokenizer or self.model_path}: cannot load tokenizer ({e})") from e
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.runner = ModelRunner(config, self.info, self.dtype, self.max_model_len, self.device)
+        self.runner = ModelRunner(config, self.info, self.dtype, self.max_model_len, self.device, self.pooler_config)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  self.runner.sliding_window)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
@@ -124,6 +149,39 @@ class LLMEngine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "schedule_s": 0.0,
                       "prepare_s": 0.0, "forward_s": 0.0, "sample_s": 0.0, "output_s": 0.0, "step_s": 0.0}
         self._next_id = 0
+
+    @property
+    def runner_type(self) -> str:
+        return "generate" if self.pooler_config is None else "pooling"
+
+    def _resolve_runner(self):
+        """``config.runner`` against the checkpoint's architecture (vLLM's --runner). For pooling: the
+        architecture becomes its pooling form (``registry.pooling_architecture``) and the pooler
+        config is resolved; returns it. For generate: None."""
+        import dataclasses
+
+        from appliance.layers.pooler import resolve_pooler_config
+        from appliance.models.registry import is_pooling_architecture, pooling_architecture
+
+        arch, runner = self.info.architecture, self.config.runner
+        if runner == "auto":
+            runner = "pooling" if is_pooling_architecture(arch) else "generate"
+        if runner == "generate":
+            if is_pooling_architecture(arch):
+                raise ModelLoadError(f"{self.model_path}: architecture {arch} is a pooling model (no lm_head); "
+                                     f"runner=generate cannot generate with it (use runner=pooling)")
+            if self.config.pooler_config is not None:
+                raise InvalidRequestError("pooler_config applies to runner=pooling only; this engine's runner is "
+                                          "generate", "pooler_config")
+            return None
+        pooled = pooling_architecture(arch)
+        if pooled is None:
+            raise ModelLoadError(f"{self.model_path}: architecture {arch} has no pooling form; runner=pooling "
+                                 f"supports the Llama-family decoders (LlamaModel, MistralModel, Qwen2Model, "
+                                 f"Qwen3Model and their *ForCausalLM)")
+        self.info = dataclasses.replace(self.info, architecture=pooled)
+        # a GGUF file carries no sentence-transformers modules: only --pooler-config and the defaults
+        return resolve_pooler_config(self.model_path if self.model_path.is_dir() else None, self.config.pooler_config)
 
     def _turn_end_ids(self) -> tuple[int, ...]:
         """The ids of the family's end-of-turn tokens this tokenizer has (``registry.turn_end_tokens``)
@@ -154,27 +212,17 @@ class LLMEngine:
         return min(c.max_num_batched_tokens, c.long_prefill_token_threshold or c.max_num_batched_tokens)
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,
-                    params: SamplingParams | None = None) -> str:
-        """Validate, tokenize and queue a request. Raises InvalidRequestError (nothing is queued)."""
+                    params: SamplingParams | PoolingParams | None = None) -> str:
+        """Validate, tokenize and queue a request. Raises InvalidRequestError (nothing is queued).
+        A pooling runner takes PoolingParams (None: the defaults), a generate runner SamplingParams."""
+        if self.pooler_config is not None or isinstance(params, PoolingParams):
+            return self._add_pooling_request(request_id, prompt, params)
         params = params or SamplingParams()
         if request_id is None:
             request_id = self.new_request_id()
         if request_id in self.parents:
             raise InvalidRequestError(f"request_id {request_id!r} is already in flight", "request_id")
-        if isinstance(prompt, str):
-            text = prompt
-            ids = self.tokenize(prompt) if prompt else []
-        elif isinstance(prompt, (list, tuple)):
-            text, ids = None, list(prompt)
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}", "prompt")
-        else:
-            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
-                                      "prompt")
-        if not ids:
-            raise InvalidRequestError("prompt must not be empty", "prompt")
+        text, ids = self._prompt_ids(prompt)
         n_prompt = len(ids)
         if n_prompt >= self.max_model_len:
             raise InvalidRequestError(
@@ -204,6 +252,56 @@ class LLMEngine:
             self.scheduler.add_request(c)
         return request_id
 
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            text = prompt
+            ids = self.tokenize(prompt) if prompt else []
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}", "prompt")
+        else:
+            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                                      "prompt")
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        return text, ids
+
+    def _add_pooling_request(self, request_id: str | None, prompt, params: PoolingParams | None) -> str:
+        if self.pooler_config is None:
+            raise InvalidRequestError("this engine's runner is generate; pooling requests (PoolingParams) need "
+                                      "runner=pooling", "runner")
+        if params is None:
+            params = PoolingParams()
+        elif not isinstance(params, PoolingParams):
+            raise InvalidRequestError(f"this engine's runner is pooling: it embeds prompts (PoolingParams) and cannot "
+                                      f"generate; got {type(params).__name__}", "runner")
+        if request_id is None:
+            request_id = self.new_request_id()
+        if request_id in self.parents:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in flight", "request_id")
+        text, ids = self._prompt_ids(prompt)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]  # vLLM keeps the last k tokens
+        if len(ids) > self.max_model_len:
+            raise InvalidRequestError(f"prompt is {len(ids)} tokens; this model's max_model_len is "
+                                      f"{self.max_model_len}", "prompt")
+        need = self.kv.max_blocks_held(len(ids), self.max_chunk_tokens)  # the same bound as generation's
+        if need > self.kv.num_blocks:
+            raise InvalidRequestError(f"prompt ({len(ids)} tokens) needs {need} KV blocks of {self.config.block_size} "
+                                      f"tokens at once; the whole KV cache has {self.kv.num_blocks}", "prompt")
+        hidden = self.runner.model.config.hidden_size
+        if params.dimensions is not None and params.dimensions > hidden:
+            raise InvalidRequestError(f"dimensions={params.dimensions} exceeds the model's hidden size {hidden}",
+                                      "dimensions")
+        req = Request(request_id, ids, SamplingParams(max_tokens=1), (), 0, pooling_params=params)
+        req.use_prefix_cache = not self.pooler_config.needs_every_position
+        self.parents[request_id] = _Parent(request_id, text, ids, [req], None)
+        self.scheduler.add_request(req)
+        return request_id
+
     def abort_request(self, request_ids: str | list[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             parent = self.parents.pop(rid, None)
@@ -213,6 +311,8 @@ class LLMEngine:
                 if not c.is_finished:
                     self.scheduler.finish_request(c.request_id, RequestStatus.FINISHED_ABORTED)
                 self.sampler.forget(c.request_id)
+                if self.runner.pooler is not None:
+                    self.runner.pooler.forget(c.request_id)
 
     def stop_sequences(self, request_id: str, indices: list[int], stop_reason: str | None = None) -> bool:
         """End some sequences of a request as stopped (a stop string matched outside the engine):
@@ -245,6 +345,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        if self.pooler_config is not None:
+            return self._step_pooling(sched, t0)
         plp_rows = [i for i, (r, _) in enumerate(sched.scheduled)
                     if r.prompt_logprobs is not None and r.num_computed_tokens < r.num_prompt_tokens]
         t1 = time.perf_counter()
@@ -280,6 +382,31 @@ class LLMEngine:
         t4 = time.perf_counter()
         st["output_s"] += t4 - t3
         st["step_s"] += t4 - t0
+        return outputs
+
+    def _step_pooling(self, sched, t0: float) -> list[EmbeddingRequestOutput]:
+        """A pooling runner's step: prompt chunks through the model, the pooler, and every request
+        whose prompt is now computed finishes with its vector (its KV blocks freed)."""
+        t1 = time.perf_counter()
+        pooled = self.runner.execute_pooling(sched)
+        t2 = time.perf_counter()
+        self.stats["prompt_tokens"] += sum(n for _, n in sched.scheduled)
+        outputs = []
+        for req in self.scheduler.update_computed(sched):
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            p = self.parents.pop(req.parent_id)
+            outputs.append(EmbeddingRequestOutput(req.parent_id, p.prompt, p.prompt_token_ids,
+                                                  EmbeddingOutput(pooled[req.request_id]),
+                                                  num_cached_tokens=max(req.num_cached_tokens, 0)))
+        st = self.stats
+        prep = self.runner.last_prepare_s
+        st["steps"] += 1
+        st["schedule_s"] += t1 - t0
+        st["prepare_s"] += prep
+        st["forward_s"] += t2 - t1 - prep
+        t3 = time.perf_counter()
+        st["output_s"] += t3 - t2
+        st["step_s"] += t3 - t0
         return outputs
 
     def _record_prompt_logprobs(self, req: Request, n: int, lp: torch.Tensor) -> None:

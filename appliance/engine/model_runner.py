@@ -30,8 +30,14 @@ DEFAULT_KV_CAP_GIB = 4.0
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, info: ModelInfo, dtype: torch.dtype, max_model_len: int,
-                 device: torch.device):
+                 device: torch.device, pooler_config=None):
         self.config = config
+        # a pooling runner (pooler_config given): execute_pooling, no logits
+        self.pooler = None
+        if pooler_config is not None:
+            from appliance.layers.pooler import Pooler
+
+            self.pooler = Pooler(pooler_config)
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
@@ -61,7 +67,9 @@ class ModelRunner:
         self.kv_cache = torch.zeros((self.num_layers, 2, *shape), dtype=dtype, device=device)
         self.last_prepare_s = 0.0
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
-        self.graphs = self._decode_graphs(config, max_model_len) if device.type == "cuda" else None
+        # decode graphs: a pooling runner never decodes
+        self.graphs = (self._decode_graphs(config, max_model_len)
+                       if device.type == "cuda" and self.pooler is None else None)
 
     @property
     def bytes_per_block(self) -> int:
@@ -179,3 +187,24 @@ class ModelRunner:
             for i in prompt_logprob_rows:
                 extra[i] = torch.log_softmax(self.model.compute_logits(hidden[qsl[i]:qsl[i + 1]]), dim=-1)
         return logits, extra
+
+    @torch.inference_mode()
+    def execute_pooling(self, sched: SchedulerOutput) -> dict[str, list[float]]:
+        """Run one step of pooling requests (prompt chunks only). Every chunk's final hidden states go
+        to the pooler; returns {request id: pooled vector} for the requests whose prompt this step
+        completes, after the head (the request's ``pooling_params``: dimensions, normalize)."""
+        t0 = time.perf_counter()
+        ids, pos, md, _ = self._inputs(sched)
+        self.last_prepare_s = time.perf_counter() - t0
+        with set_forward_context(ForwardContext(md, self.kv_caches, self.ops)):
+            hidden = self.model(ids, pos)
+        qsl = md.query_start_loc.tolist()
+        out = {}
+        for i, (req, n) in enumerate(sched.scheduled):
+            start = req.num_computed_tokens  # before this step's update
+            last = start + n == req.num_tokens
+            pooled = self.pooler.add_chunk(req.request_id, start, hidden[qsl[i]:qsl[i + 1]], last)
+            if pooled is not None:
+                pp = req.pooling_params
+                out[req.request_id] = self.pooler.head(pooled, pp.dimensions, pp.normalize).tolist()
+        return out

@@ -35,7 +35,8 @@ class Request:
         "request_id", "parent_id", "index", "prompt_token_ids", "sampling_params", "eos_token_ids",
         "max_tokens", "all_token_ids", "num_computed_tokens", "block_ids", "block_hashes", "status",
         "stop_reason", "num_cached_tokens", "num_preemptions", "arrival_time", "first_token_time",
-        "logprobs", "cumulative_logprob", "prompt_logprobs", "scheduled_time",
+        "logprobs", "cumulative_logprob", "prompt_logprobs", "scheduled_time", "pooling_params",
+        "use_prefix_cache",
     )
 
     def __init__(
@@ -47,6 +48,7 @@ class Request:
         max_tokens: int,
         parent_id: str | None = None,
         index: int = 0,
+        pooling_params=None,
     ):
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -72,6 +74,10 @@ class Request:
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if sampling_params.prompt_logprobs is not None else None
         )
+        # a pooling request (PoolingParams): its prompt is computed, pooled and it finishes, no sampling
+        self.pooling_params = pooling_params
+        # False: prefix-cache hits would skip positions this request needs (MEAN / CLS pooling)
+        self.use_prefix_cache = True
 
     @property
     def num_prompt_tokens(self) -> int:

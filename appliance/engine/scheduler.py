@@ -141,7 +141,8 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 # Prompt logprobs need every prompt position computed, so such requests skip the cache.
-                use_cache = req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None
+                use_cache = (req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None
+                             and req.use_prefix_cache)
                 blocks, hashes = self.kv.get_computed_blocks(req) if use_cache else ([], [])
                 num_hit = len(blocks) * self.kv.block_size
                 n = req.num_tokens - req.num_computed_tokens - num_hit

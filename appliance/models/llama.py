@@ -31,6 +31,8 @@ class ArchSpec:
     rope_aliases: tuple[tuple[str, str], ...] = ()  # old rope_type names the config class renames
     # reads the config's sliding-window fields (transformers' Llama has none and ignores them)
     sliding_window: bool = True
+    # a bare ``*Model`` (embedding checkpoints; ``--runner pooling``): no lm_head, final hidden states only
+    pooling: bool = False
 
 
 ARCHS = {
@@ -40,6 +42,11 @@ ARCHS = {
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
     # Phi3Config renames "su" and "yarn" to "longrope"; Phi-3 never has q/k/v or MLP biases.
     "Phi3ForCausalLM": ArchSpec(partial_rotary=True, rope_aliases=(("su", "longrope"), ("yarn", "longrope"))),
+    # the same stacks without lm_head, for pooling (registry.pooling_architecture maps X*ForCausalLM here)
+    "LlamaModel": ArchSpec(sliding_window=False, pooling=True),
+    "MistralModel": ArchSpec(pooling=True),
+    "Qwen2Model": ArchSpec(qkv_bias=True, pooling=True),
+    "Qwen3Model": ArchSpec(qk_norm=True, pooling=True),
 }
 
 
@@ -63,6 +70,7 @@ class LlamaConfig:
     rotary_dim: int = 0  # 0: head_dim
     # per layer: its attention's sliding window, None for full attention (layer_sliding_windows)
     sliding_windows: tuple[int | None, ...] = ()
+    has_lm_head: bool = True  # False: a pooling model (ArchSpec.pooling)
 
     @classmethod
     def from_hf(cls, hf: dict, arch: ArchSpec) -> "LlamaConfig":
@@ -90,6 +98,7 @@ class LlamaConfig:
             rotary_dim=rot,
             sliding_windows=tuple(layer_sliding_windows(hf, hf["num_hidden_layers"]) if arch.sliding_window
                                   else [None] * hf["num_hidden_layers"]),
+            has_lm_head=not arch.pooling,
         )
 
 
@@ -189,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Model(cfg)
-        if not cfg.tie_word_embeddings:
+        if not cfg.tie_word_embeddings and cfg.has_lm_head:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary: Rotary | None = None
         self.ops = None
@@ -198,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
         """After weights are loaded: pick the ops module and build the rotary cache."""
         self.ops = ops
         self.rotary = Rotary(self.config, max_position, device)
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.config.has_lm_head:
             # The logits projection shares the embedding's table (float or quantized); as a linear
             # layer, the linear methods apply to it like to any other.
             self.lm_head = tied_lm_head(self.model.embed_tokens)
@@ -290,6 +299,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def param_for(self, name: str) -> tuple[str, str | None]:
+        if not self.config.has_lm_head and not name.startswith(("model.", "lm_head.")):
+            name = "model." + name  # a saved bare *Model (embedding checkpoints) has no "model." prefix
         return fused_param_for(name)
 
 

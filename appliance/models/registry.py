@@ -34,5 +34,23 @@ def resolve_architecture(hf_config: dict, source: Path) -> str:
         f"supported: {', '.join(supported_architectures())}")
 
 
+def pooling_architecture(architecture: str) -> str | None:
+    """The architecture a model runs as under ``--runner pooling``: itself when it is a pooling one (a
+    bare ``*Model`` without lm_head), else its family's ``*Model`` for a ``*ForCausalLM`` (the
+    checkpoint's lm_head is then not loaded), else None (no pooling form)."""
+    mod = _REGISTRY.get(architecture)
+    if mod is None:
+        return None
+    if getattr(mod.ARCHS[architecture], "pooling", False):
+        return architecture
+    base = architecture.replace("ForCausalLM", "Model")
+    spec = _REGISTRY.get(base) and _REGISTRY[base].ARCHS[base]
+    return base if getattr(spec, "pooling", False) else None
+
+
+def is_pooling_architecture(architecture: str) -> bool:
+    return pooling_architecture(architecture) == architecture
+
+
 def build_model(architecture: str, hf_config: dict) -> nn.Module:
     return _REGISTRY[architecture].build(architecture, hf_config)

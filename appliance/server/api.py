@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 import appliance
+from appliance.server import serving_embeddings
 from appliance.server.openai_serving import OpenAIServing
 from appliance.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest, validation_error,
@@ -163,11 +164,18 @@ def build_app(serving: OpenAIServing, api_key: str | None = None, on_startup=Non
 
     @app.post("/v1/completions")
     async def completions(http: Request):
+        serving_embeddings.require_runner(serving, "generate", "Completions API")
         return await serving.completions(await parse_body(http, CompletionRequest), http)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request):
+        serving_embeddings.require_runner(serving, "generate", "Chat Completions API")
         return await serving.chat(await parse_body(http, ChatCompletionRequest), http)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(http: Request):
+        req = await parse_body(http, serving_embeddings.EmbeddingRequest)
+        return await serving_embeddings.create_embedding(serving, req, http)
 
     @app.post("/tokenize")
     async def tokenize(http: Request):

@@ -277,7 +277,9 @@ class AsyncEngineClient:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
         if self.tokenizer is None:
             raise RuntimeError("AsyncEngineClient.tokenizer must be set before adding requests")
-        texts = [ChoiceText(self.tokenizer, prompt_token_ids, params) for _ in range(params.n)]
+        # a pooling request (PoolingParams) has no text: its one delta carries the vector
+        texts = (None if not isinstance(params, SamplingParams)
+                 else [ChoiceText(self.tokenizer, prompt_token_ids, params) for _ in range(params.n)])
         stream = RequestStream(request_id, len(prompt_token_ids), params.n,
                                queue if queue is not None else asyncio.Queue(), texts)
         self.streams[request_id] = stream

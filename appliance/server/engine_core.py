@@ -88,6 +88,7 @@ class RequestDelta:
     prompt_logprobs: list | None = None  # sent once, with the request's first delta
     first: bool = False
     queue_time: float | None = None  # seconds from arrival in the core to first scheduled; first delta only
+    embedding: list[float] | None = None  # a pooling request's vector (its one, final delta)
 
 
 @dataclass
@@ -152,7 +153,19 @@ def engine_info(engine) -> dict:
         "itl_target": engine.config.itl_target,
         "num_threads": torch.get_num_threads(),
         "pid": os.getpid(),
+        **pooling_info(engine),
     }
+
+
+def pooling_info(engine) -> dict:
+    """What /v1/embeddings needs to check a request: the runner, the hidden size, matryoshka dimensions."""
+    from appliance.layers.pooler import matryoshka_dimensions
+
+    allowed, only = matryoshka_dimensions(engine.info.hf_config)
+    pc = engine.pooler_config
+    return {"runner": engine.runner_type, "hidden_size": engine.runner.model.config.hidden_size,
+            "matryoshka": allowed, "matryoshka_dimensions": only,
+            "pooler_config": None if pc is None else {"pooling_type": pc.pooling_type, "normalize": pc.normalize}}
 
 
 class EngineCore:
@@ -188,6 +201,11 @@ class EngineCore:
         for out in self.engine.step():
             sent = self.sent.get(out.request_id)
             if sent is None:  # aborted while in the step
+                continue
+            if getattr(out.outputs, "embedding", None) is not None:  # a pooling request: done in one delta
+                del self.sent[out.request_id]
+                deltas.append(RequestDelta(out.request_id, [], True, out.num_cached_tokens, first=True,
+                                           embedding=out.outputs.embedding))
                 continue
             first = all(s[0] == 0 for s in sent)
             choices = []
@@ -257,8 +275,13 @@ def _warm_up(engine) -> None:
     and allocator set-up), and the first user should not pay for it. The prompt is shorter than a
     block, so nothing enters the prefix cache; the counters are reset so /metrics starts at zero."""
     n = max(1, min(8, engine.config.block_size - 1, engine.max_model_len - 3))
-    engine.add_request("__warmup__", list(range(1, n + 1)), SamplingParams(max_tokens=2, temperature=0.0,
-                                                                         ignore_eos=True))
+    if engine.runner_type == "pooling":
+        from appliance.pooling_params import PoolingParams
+
+        engine.add_request("__warmup__", list(range(1, n + 1)), PoolingParams())
+    else:
+        engine.add_request("__warmup__", list(range(1, n + 1)), SamplingParams(max_tokens=2, temperature=0.0,
+                                                                             ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
     engine.kv.pool.num_queries = engine.kv.pool.num_hits = 0

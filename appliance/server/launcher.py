@@ -166,6 +166,10 @@ def print_banner(engine_config: EngineConfig, server: ServerConfig, names: list[
                         f"{server.max_queued_requests if server.max_queued_requests is not None else 'unlimited'}")
     t.add_row("scheduling", f"itl_target {info.get('itl_target', 'off')} (while decodes run, new prompts are "
                             f"chunked to keep each step within it)")
+    if info.get("runner") == "pooling":
+        pc = info.get("pooler_config") or {}
+        t.add_row("runner", f"pooling: /v1/embeddings ({pc.get('pooling_type')}, "
+                            f"{'normalized' if pc.get('normalize') else 'not normalized'})")
     t.add_row("auth", "API key required" if server.api_keys else "none (set --api-key or APPLIANCE_API_KEY)")
     t.add_row("engine", f"core process pid {info['pid']}")
     if info.get("runtime"):

@@ -160,6 +160,8 @@ class OpenAIServing:
         for c in d.choices:
             if c.finish_reason is not None:
                 stream.finish_reasons[c.index] = c.finish_reason
+        if d.embedding is not None:  # a pooling request ends with its vector
+            stream.finish_reasons[0] = "stop"
         if d.finished:
             self._record_finish(stream)
 

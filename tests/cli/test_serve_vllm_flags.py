@@ -168,12 +168,17 @@ def test_vllm_reserved_cpus(parse):
     assert "leaves no core" in out
 
 
-def test_every_serve_parameter_can_come_from_the_config_file():
-    """--config rebinds serve()'s parameters through cli._SERVE_PARAMS; a flag added to serve()
-    without it would be refused from a file (this test names it)."""
-    import inspect
-
-    from appliance import cli
-
-    params = [p for p in inspect.signature(cli.serve).parameters if p not in ("ctx", "config")]
-    assert list(cli._SERVE_PARAMS) == params
+@pytest.mark.parametrize("flag, value, read", [
+    ("itl-target", "250", lambda e, s: e.itl_target),
+    ("max-model-len", "333", lambda e, s: e.max_model_len),
+    ("runner", "pooling", lambda e, s: e.runner),
+    ("served-model-name", "alias", lambda e, s: s.served_model_names),
+    ("generation-config", "vllm", lambda e, s: s.generation_config),
+])
+def test_a_config_file_value_equals_the_flag(parse, tmp_path, flag, value, read):
+    """serve() reads every parameter from one namespace that the file fills, so a value from the file
+    gives exactly what the flag gives (for flags of several kinds, old and new)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"{flag}: {value}\n")
+    assert read(*parse("--config", str(cfg))) == read(*parse(f"--{flag}", value))
+    assert read(*parse("--config", str(cfg))) != read(*parse())
