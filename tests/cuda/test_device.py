@@ -58,6 +58,7 @@ def test_activation_reserve_grows_with_the_step_budget():
 
 
 def test_ops_on_a_cuda_device():
+    pytest.importorskip("triton", reason="triton is not installed (pip install -e .[test])")
     assert get_ops("auto", "cuda").__name__ == "appliance.ops.cuda_ops"
     assert get_ops("reference", "cuda") is reference
     with pytest.raises(RuntimeError, match="--attention-backend native"):
