@@ -35,6 +35,17 @@ def resolve_device(requested: str, cuda_available: bool | None = None) -> torch.
     return torch.device(requested)
 
 
+def check_dtype_on_device(dtype: torch.dtype, device: torch.device, bf16_supported: bool | None = None) -> None:
+    """Refuse at start a dtype the GPU cannot run (bfloat16 before compute capability 8.0)."""
+    if device.type != "cuda" or dtype is not torch.bfloat16:
+        return
+    if bf16_supported is None:
+        bf16_supported = torch.cuda.is_bf16_supported()
+    if not bf16_supported:
+        name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "this GPU"
+        raise InvalidRequestError(f"dtype bfloat16: {name} cannot run bfloat16; use --dtype float32", "dtype")
+
+
 def activation_reserve_bytes(hidden: int, intermediate: int, q_kv_width: int, vocab: int,
                              max_num_batched_tokens: int, max_num_seqs: int) -> int:
     """An upper estimate of one step's peak activations, left out of the KV budget (no profiling

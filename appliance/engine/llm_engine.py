@@ -97,8 +97,8 @@ def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
         return torch.float32
     if name == "bfloat16":
         return torch.bfloat16
-    if device is not None and device.type == "cuda":
-        return torch.bfloat16  # every GPU the CUDA op set targets has bf16 tensor cores
+    if device is not None and device.type == "cuda":  # the host CPU's bf16 support says nothing here
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     from appliance.runtime.cpu_features import detect
 
     return torch.bfloat16 if detect().native_bf16 else torch.float32

@@ -11,7 +11,7 @@ import torch
 
 from appliance.config import EngineConfig
 from appliance.engine.cuda_graphs import DecodeGraphRunner, cuda_graph_capture
-from appliance.engine.device import activation_reserve_bytes, gpu_kv_budget_bytes
+from appliance.engine.device import activation_reserve_bytes, check_dtype_on_device, gpu_kv_budget_bytes
 from appliance.engine.scheduler import SchedulerOutput
 from appliance.layers.linear import select_backends
 from appliance.layers.forward_context import AttentionMetadata, ForwardContext, set_forward_context
@@ -38,6 +38,7 @@ class ModelRunner:
             from appliance.layers.pooler import Pooler
 
             self.pooler = Pooler(pooler_config)
+        check_dtype_on_device(dtype, device)
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from appliance.config import EngineConfig
-from appliance.engine.device import activation_reserve_bytes, gpu_kv_budget_bytes, resolve_device
+from appliance.engine.device import (activation_reserve_bytes, check_dtype_on_device, gpu_kv_budget_bytes,
+                                     resolve_device)
 from appliance.errors import InvalidRequestError
 from appliance.ops import get_ops, reference
 
@@ -93,8 +94,20 @@ def test_serve_flags_reach_the_engine_config(monkeypatch):
     assert r.exit_code == 2 and "gpu_memory_utilization" in r.output
 
 
-def test_auto_dtype_on_cuda_is_bfloat16():
+def test_auto_dtype_on_cuda_follows_the_gpu(monkeypatch):
     from appliance.engine.llm_engine import resolve_dtype
 
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     assert resolve_dtype("auto", torch.device("cuda")) is torch.bfloat16
     assert resolve_dtype("float32", torch.device("cuda")) is torch.float32
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_dtype("auto", torch.device("cuda")) is torch.float32
+
+
+def test_bfloat16_refused_on_a_gpu_without_it():
+    cuda = torch.device("cuda")
+    with pytest.raises(InvalidRequestError, match="dtype bfloat16: .* cannot run bfloat16; use --dtype float32"):
+        check_dtype_on_device(torch.bfloat16, cuda, bf16_supported=False)
+    check_dtype_on_device(torch.bfloat16, cuda, bf16_supported=True)
+    check_dtype_on_device(torch.float32, cuda, bf16_supported=False)
+    check_dtype_on_device(torch.bfloat16, torch.device("cpu"), bf16_supported=False)  # the CPU: not this check
