@@ -190,5 +190,7 @@ def paged_attention(
         USE_SOFT_CAP=logits_soft_cap > 0,
         # fp32 must not silently drop to TF32 on the GPU: the reference tolerance is 1e-5
         DOT_PRECISION="ieee" if fp32 else None,
+        # a 64 x 256 float32 accumulator is 64 KiB of registers: spread it over 8 warps
+        num_warps=8 if block_d >= 256 else 4,
     )
     return out
