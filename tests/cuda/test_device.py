@@ -79,7 +79,12 @@ def test_serve_flags_reach_the_engine_config(monkeypatch):
     from appliance.cli import app
 
     seen = {}
-    monkeypatch.setattr(launcher, "serve", lambda engine_config, server_config: seen.setdefault("c", engine_config) and 0)
+
+    def fake_serve(engine_config, server_config):
+        seen["c"] = engine_config
+        return 0
+
+    monkeypatch.setattr(launcher, "serve", fake_serve)
     for k in ("APPLIANCE_DEVICE", "APPLIANCE_GPU_MEMORY_UTILIZATION", "APPLIANCE_ENFORCE_EAGER"):
         monkeypatch.delenv(k, raising=False)
     r = CliRunner().invoke(app, ["serve", "/some/model", "--device", "auto", "--gpu-memory-utilization", "0.5",
