@@ -79,3 +79,17 @@ def test_run_refuses_what_was_not_captured(llama_dir):
                            torch.ones(3, dtype=torch.int32), torch.arange(4, dtype=torch.int32), 1, 1)
     with pytest.raises(ValueError, match="at most 2 sequences, got 3"):
         g.run(torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), md)
+
+
+def test_only_decode_batches_that_fit_are_replayed(llama_dir):
+    # graphs up to 2 sequences in an engine of 8: larger decode batches and every prefill step run
+    # eagerly, and the tokens do not change
+    kw = dict(attention_backend="reference", dtype="float32", num_kv_blocks=64, block_size=4, max_num_seqs=8)
+    plain = LLM(str(llama_dir), **kw)
+    ids = [plain.get_tokenizer().encode(p) for p in PROMPTS]
+    want = generate(plain, ids)
+    llm = LLM(str(llama_dir), **kw)
+    r = llm.engine.runner
+    r.graphs = CheckedGraphs(r.model, r.ops, r.kv_caches, 2, 64, r.device, capture=lambda fn: fn)
+    assert generate(llm, ids) == want
+    assert {n for n, _, _ in r.graphs.record} == {1, 2}  # 3, 4, 5-sequence decode steps went eager
