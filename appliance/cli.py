@@ -67,7 +67,7 @@ def serve(
     prefix_caching: Annotated[Optional[bool], Opt(
         "--prefix-caching/--no-prefix-caching", "--enable-prefix-caching/--no-enable-prefix-caching",
         help="Reuse KV blocks of shared prompt prefixes.")] = None,
-    attention_backend: Annotated[Optional[str], Opt(help="auto | native | reference.")] = None,
+    attention_backend: Annotated[Optional[str], Opt(help="auto | native | reference | cuda (Triton kernels).")] = None,
     linear_backend: Annotated[Optional[str], Opt(
         help="auto (measured per shape) | torch | onednn | native | w8a8_onednn | w8a8_native | w8a16_int8pack | w4a8_dynquant | w4a16_int4pack.")] = None,
     quantization: Annotated[Optional[str], Opt(help="Quantize a float checkpoint at load: none | w8a8 | w4a8; gguf: a GGUF's projections as the file stores them.")] = None,
@@ -108,6 +108,13 @@ def serve(
     generation_config: Annotated[str, Opt(
         help="auto: the model's generation_config.json (or a GGUF's general.sampling.* keys) gives default "
              "temperature/top_p/top_k/min_p/repetition_penalty and a max_tokens cap; vllm: ignore it.")] = "auto",
+    device: Annotated[Optional[str], Opt(
+        help="auto (cuda when torch can use a GPU) | cpu (the default) | cuda.")] = None,
+    gpu_memory_utilization: Annotated[Optional[float], Opt(
+        help="CUDA: fraction of the GPU's memory this engine may use; the KV cache gets what weights and "
+             "activations leave of it (default 0.9).")] = None,
+    enforce_eager: Annotated[Optional[bool], Opt(
+        "--enforce-eager/--no-enforce-eager", help="CUDA: run decode eagerly, without CUDA graphs.")] = None,
     enable_auto_tool_choice: Annotated[bool, Opt(
         help="Allow tool_choice 'auto': parse tool calls from the output (needs --tool-call-parser).")] = False,
     tool_call_parser: Annotated[Optional[str], Opt(
@@ -162,6 +169,7 @@ def serve(
         linear_backend=a.linear_backend, quantization=a.quantization, quant_group_size=a.quant_group_size,
         num_threads=a.num_threads, seed=a.seed, allocator=a.allocator,
         omp_threads_bind=a.omp_threads_bind, runner=a.runner, pooler_config=a.pooler_config,
+        device=a.device, gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
     )
     try:
         engine_kwargs.update(vllm_compat.vllm_env_engine_kwargs(engine_kwargs))
@@ -218,7 +226,7 @@ def generate(
     max_model_len: Annotated[Optional[int], typer.Option(help="Context length (default: the model's).")] = None,
     kv_cache_memory: Annotated[Optional[float], typer.Option(help="KV cache size in GiB.")] = None,
     block_size: Annotated[Optional[int], typer.Option(help="Tokens per KV block.")] = None,
-    attention_backend: Annotated[Optional[str], typer.Option(help="auto | native | reference.")] = None,
+    attention_backend: Annotated[Optional[str], typer.Option(help="auto | native | reference | cuda (Triton kernels).")] = None,
     linear_backend: Annotated[Optional[str], typer.Option(help="auto (measured per shape) | torch | onednn | native | w8a8_onednn | ...")] = None,
     quantization: Annotated[Optional[str], typer.Option(help="Quantize at load: none | w8a8 | w4a8; gguf: a GGUF's projections as the file stores them.")] = None,
     quant_group_size: Annotated[Optional[int], typer.Option(help="W4 group size.")] = None,

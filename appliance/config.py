@@ -13,7 +13,8 @@ from pathlib import Path
 from appliance.errors import InvalidRequestError
 
 DTYPES = ("auto", "float32", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "native", "reference")
+ATTENTION_BACKENDS = ("auto", "native", "reference", "cuda")
+DEVICES = ("auto", "cpu", "cuda")  # auto: cuda when torch.cuda.is_available() (appliance/engine/device.py)
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "native",  # float; then quantized (appliance/layers/quant.py)
                    "w8a8_onednn", "w8a8_native", "w8a16_int8pack", "w4a8_dynquant", "w4a16_int4pack")
 # "gguf": a GGUF's projections as the file stores them (vLLM's name), each in its type's scheme
@@ -58,7 +59,9 @@ class EngineConfig:
     # an in-process LLM() cannot preload an allocator into itself.
     allocator: str = "mimalloc"
     omp_threads_bind: str = "auto"
-    device: str = "cpu"
+    device: str = "cpu"  # DEVICES; the CPU unless asked: this engine is CPU-first
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of the GPU's memory this engine may use (vLLM's)
+    enforce_eager: bool = False  # CUDA: no decode CUDA graphs
     runner: str = "auto"
     # --pooler-config: {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": bool} (a dict or its JSON text);
     # unset fields come from the checkpoint (appliance.layers.pooler.resolve_pooler_config)
@@ -107,6 +110,11 @@ class EngineConfig:
             parse_itl_target(self.itl_target)
         except ValueError as e:
             raise InvalidRequestError(str(e), "itl_target") from None
+        if self.device not in DEVICES:
+            raise InvalidRequestError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}", "device")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidRequestError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}", "gpu_memory_utilization")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise InvalidRequestError(
                 f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}", "kv_cache_memory"

@@ -19,6 +19,7 @@ import torch
 
 from appliance.config import EngineConfig
 from appliance.engine.detokenizer import ChoiceText
+from appliance.engine.device import resolve_device
 from appliance.engine.step_cost import parse_itl_target
 from appliance.engine.kv_cache_manager import KVCacheManager
 from appliance.engine.model_runner import ModelRunner
@@ -92,11 +93,13 @@ class _Parent:
     texts: list[ChoiceText] | None  # None: not detokenized here
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
     if name == "float32":
         return torch.float32
     if name == "bfloat16":
         return torch.bfloat16
+    if device is not None and device.type == "cuda":  # the host CPU's bf16 support says nothing here
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     from appliance.runtime.cpu_features import detect
 
     return torch.bfloat16 if detect().native_bf16 else torch.float32
@@ -111,7 +114,7 @@ class LLMEngine:
 
         self.config = config
         self.detokenize = detokenize
-        self.device = torch.device(config.device)
+        self.device = resolve_device(config.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_path = resolve_model_source(config.model)  # a model directory or a GGUF file
@@ -128,7 +131,7 @@ class LLMEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or tokenizer_path(self.model_path)))
         except Exception as e:  # tokenizers raise many types for missing/corrupt files
             raise ModelLoadError(f"{config.tokenizer or self.model_path}: cannot load tokenizer ({e})") from e
-        self.dtype = resolve_dtype(config.dtype)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.runner = ModelRunner(config, self.info, self.dtype, self.max_model_len, self.device, self.pooler_config)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  self.runner.sliding_window)
@@ -316,9 +319,9 @@ class LLMEngine:
                 if not c.is_finished:
                     self.scheduler.finish_request(c.request_id, RequestStatus.FINISHED_ABORTED)
                 self.sampler.forget(c.request_id)
-                self.structured.forget(c.request_id)
                 if self.runner.pooler is not None:
                     self.runner.pooler.forget(c.request_id)
+                self.structured.forget(c.request_id)
 
     def stop_sequences(self, request_id: str, indices: list[int], stop_reason: str | None = None) -> bool:
         """End some sequences of a request as stopped (a stop string matched outside the engine):

@@ -10,9 +10,12 @@ import psutil
 import torch
 
 from appliance.config import EngineConfig
+from appliance.engine.cuda_graphs import DecodeGraphRunner, cuda_graph_capture
+from appliance.engine.device import activation_reserve_bytes, check_dtype_on_device, gpu_kv_budget_bytes
 from appliance.engine.scheduler import SchedulerOutput
 from appliance.layers.linear import select_backends
 from appliance.layers.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from appliance.layers.fused_moe import Router
 from appliance.models.loader import ModelInfo
 from appliance.models.loader import load as load_model
 from appliance.ops import get_ops
@@ -35,12 +38,13 @@ class ModelRunner:
             from appliance.layers.pooler import Pooler
 
             self.pooler = Pooler(pooler_config)
+        check_dtype_on_device(dtype, device)
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
         self.model = load_model(info, dtype, device, config.quantization, config.quant_group_size,
                                 config.linear_backend)
-        self.ops = get_ops(config.attention_backend)
+        self.ops = get_ops(config.attention_backend, device.type)
         self.model.prepare(self.ops, max_model_len, device)
         self.linear_backends = select_backends(self.model, config.linear_backend, dtype, device)
         release_free_memory()  # the checkpoint forms that packing freed
@@ -64,6 +68,9 @@ class ModelRunner:
         self.kv_cache = torch.zeros((self.num_layers, 2, *shape), dtype=dtype, device=device)
         self.last_prepare_s = 0.0
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
+        # decode graphs: a pooling runner never decodes
+        self.graphs = (self._decode_graphs(config, max_model_len)
+                       if device.type == "cuda" and self.pooler is None else None)
 
     @property
     def bytes_per_block(self) -> int:
@@ -75,6 +82,8 @@ class ModelRunner:
             return config.num_kv_blocks
         if config.kv_cache_memory is not None:
             budget = config.kv_cache_memory * GiB
+        elif self.device.type == "cuda":
+            budget = self._gpu_kv_budget(config)
         else:
             budget = min(DEFAULT_KV_FRACTION * psutil.virtual_memory().available, DEFAULT_KV_CAP_GIB * GiB)
         n = int(budget // self.bytes_per_block)
@@ -82,6 +91,29 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory={budget / GiB:.3f} GiB holds no KV block "
                              f"(one block needs {self.bytes_per_block / GiB:.6f} GiB)")
         return n
+
+    def _decode_graphs(self, config: EngineConfig, max_model_len: int) -> DecodeGraphRunner | None:
+        if config.enforce_eager:
+            return None
+        if any(isinstance(m, Router) for m in self.model.modules()):
+            # expert routing counts tokens per expert on the host (grouped_experts): not capturable
+            log.info("decode CUDA graphs off: mixture-of-experts routing synchronizes with the host")
+            return None
+        t0 = time.perf_counter()
+        graphs = DecodeGraphRunner(self.model, self.ops, self.kv_caches, config.max_num_seqs,
+                                   -(-max_model_len // self.block_size), self.device, cuda_graph_capture())
+        log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", graphs.sizes, time.perf_counter() - t0)
+        return graphs
+
+    def _gpu_kv_budget(self, config: EngineConfig) -> int:
+        # weights are loaded by now, so mem_get_info's "used" includes them
+        free, total = torch.cuda.mem_get_info(self.device)
+        cfg = self.model.config
+        reserve = activation_reserve_bytes(
+            cfg.hidden_size, getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size,
+            (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, cfg.vocab_size,
+            config.max_num_batched_tokens, config.max_num_seqs)
+        return gpu_kv_budget_bytes(free, total, config.gpu_memory_utilization, reserve)
 
     def _inputs(self, sched: SchedulerOutput):
         bs = self.block_size
@@ -115,17 +147,25 @@ class ModelRunner:
         for i, (req, _) in enumerate(sched.scheduled):
             table[i, : len(req.block_ids)] = req.block_ids
         dev = self.device
+        if dev.type == "cuda":
+            # built on the host, pinned, copied without blocking: the copies queue behind the previous
+            # step's kernels instead of waiting for them (torch.tensor(..., device=cuda) would sync)
+            def to_dev(t):
+                return t.pin_memory().to(dev, non_blocking=True)
+        else:
+            def to_dev(t):
+                return t
         md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_table=torch.from_numpy(table).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            slot_mapping=to_dev(torch.tensor(slots, dtype=torch.int64)),
+            block_table=to_dev(torch.from_numpy(table)),
+            seq_lens=to_dev(torch.tensor(seq_lens, dtype=torch.int32)),
+            query_start_loc=to_dev(torch.tensor(qsl, dtype=torch.int32)),
             max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
             max_seq_len=max(seq_lens),
             is_prefill_only=not any_context,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        ids = to_dev(torch.tensor(input_ids, dtype=torch.int64))
+        pos = to_dev(torch.tensor(positions, dtype=torch.int64))
         return ids, pos, md, logits_idx
 
     @torch.inference_mode()
@@ -135,8 +175,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         ids, pos, md, logits_idx = self._inputs(sched)
         self.last_prepare_s = time.perf_counter() - t0  # input preparation, reported apart from the forward
-        with set_forward_context(ForwardContext(md, self.kv_caches, self.ops)):
-            hidden = self.model(ids, pos)
+        if (self.graphs is not None and md.max_query_len == 1 and not prompt_logprob_rows
+                and self.graphs.padded_size(ids.shape[0]) is not None):
+            hidden = self.graphs.run(ids, pos, md)  # a decode batch: padded, replayed
+        else:
+            with set_forward_context(ForwardContext(md, self.kv_caches, self.ops)):
+                hidden = self.model(ids, pos)
         logits = self.model.compute_logits(hidden[logits_idx]) if logits_idx else None
         extra = {}
         if prompt_logprob_rows:
