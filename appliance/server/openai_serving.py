@@ -220,15 +220,26 @@ class OpenAIServing:
         choices = [[_Choice() for _ in range(n)] for _ in streams]
         prompt_logprobs: list = [None] * len(streams)
 
-        async def fold():
-            async for d in iterate_streams(streams):
-                i = index[d.request_id]
-                if d.first:
-                    prompt_logprobs[i] = d.prompt_logprobs
-                for c in d.choices:
-                    choices[i][c.index].add(c)
+        def fold(d) -> None:
+            i = index[d.request_id]
+            if d.first:
+                prompt_logprobs[i] = d.prompt_logprobs
+            for c in d.choices:
+                choices[i][c.index].add(c)
 
-        task = asyncio.ensure_future(fold())
+        if not await self.run_to_end(streams, http, fold):
+            return None, None
+        return choices, prompt_logprobs
+
+    async def run_to_end(self, streams: list[RequestStream], http: HTTPRequest, fold) -> bool:
+        """Feed every delta of ``streams`` to ``fold`` until all finish (True), or until the client
+        disconnects (False); either way nothing of these requests is left running. Engine-side
+        refusals become OpenAI errors (400, 503 aborted, 500 engine dead)."""
+        async def consume():
+            async for d in iterate_streams(streams):
+                fold(d)
+
+        task = asyncio.ensure_future(consume())
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
@@ -241,9 +252,9 @@ class OpenAIServing:
                         raise OpenAIError(503, str(e), type="service_unavailable", code="aborted") from None
                     except EngineDeadError as e:
                         raise OpenAIError(500, str(e), type="internal_error", code="engine_dead") from None
-                    return choices, prompt_logprobs
+                    return True
                 if await http.is_disconnected():
-                    return None, None  # the finally below aborts; nobody is left to answer
+                    return False  # the finally below aborts; nobody is left to answer
         finally:
             if not task.done():
                 task.cancel()

@@ -20,13 +20,11 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
 from appliance.engine.kv_cache_manager import max_blocks_held
-from appliance.errors import InvalidRequestError
 from appliance.pooling_params import PoolingParams
-from appliance.server.async_engine import EngineDeadError, RequestAborted, iterate_streams
+from appliance.server.async_engine import EngineDeadError
 from appliance.server.protocol import OpenAIError, _Base
 
 log = logging.getLogger("appliance.server")
-_DISCONNECT_POLL_S = 0.5
 # the API each runner serves, in vLLM's words for the refusal
 _API_NAMES = {"generate": ("Completions API", "Chat Completions API"), "pooling": ("Embeddings API",)}
 
@@ -149,28 +147,8 @@ async def _collect(serving, streams, http: HTTPRequest) -> list[list[float]] | N
     index = {s.request_id: i for i, s in enumerate(streams)}
     vectors: list = [None] * len(streams)
 
-    async def fold():
-        async for d in iterate_streams(streams):
-            if d.embedding is not None:
-                vectors[index[d.request_id]] = d.embedding
+    def fold(d) -> None:
+        if d.embedding is not None:
+            vectors[index[d.request_id]] = d.embedding
 
-    task = asyncio.ensure_future(fold())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                try:
-                    task.result()
-                except InvalidRequestError as e:  # refused by the engine after our own checks
-                    raise OpenAIError(400, str(e), param=e.param) from None
-                except RequestAborted as e:
-                    raise OpenAIError(503, str(e), type="service_unavailable", code="aborted") from None
-                except EngineDeadError as e:
-                    raise OpenAIError(500, str(e), type="internal_error", code="engine_dead") from None
-                return vectors
-            if await http.is_disconnected():
-                return None
-    finally:
-        if not task.done():
-            task.cancel()
-        serving.abort(streams)
+    return vectors if await serving.run_to_end(streams, http, fold) else None
