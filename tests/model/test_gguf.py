@@ -244,7 +244,7 @@ def test_unsupported_architecture(tmp_path):
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     _finish(w)
-    _assert_load_error(path, tmp_path / "out", "unsupported GGUF architecture 'gpt2'; supported: llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma3")
+    _assert_load_error(path, tmp_path / "out", "unsupported GGUF architecture 'gpt2'; supported: llama, qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma2, gemma3")
 
 
 def test_moe_of_a_dense_architecture_is_refused(tmp_path):
