@@ -32,6 +32,15 @@ def _labels(d: dict) -> str:
     return "{" + ",".join(f'{k}="{v}"' for k, v in esc.items()) + "}"
 
 
+def _emitter(out: list[str]):
+    """metric(name, kind, help, samples): one metric's HELP and TYPE lines and its samples into ``out``."""
+    def metric(name, kind, help_, samples):
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} {kind}")
+        out.extend(samples)
+    return metric
+
+
 class Histogram:
     def __init__(self, buckets=LATENCY_BUCKETS):
         self.bounds = tuple(buckets)
@@ -91,11 +100,7 @@ class ServerMetrics:
     def render(self, engine: dict) -> str:
         L = self.labels
         out: list[str] = []
-
-        def metric(name, kind, help_, samples):
-            out.append(f"# HELP {name} {help_}")
-            out.append(f"# TYPE {name} {kind}")
-            out.extend(samples)
+        metric = _emitter(out)
 
         metric("appliance:request_success_total", "counter", "Finished requests by finish reason.",
                [f"appliance:request_success_total{_labels({**L, 'finished_reason': r})} {n}"
@@ -146,11 +151,7 @@ class ServerMetrics:
         to inter_token_latency), and gpu_cache_usage_perc (vLLM's deprecated alias) is the CPU KV cache."""
         L = self.labels
         out: list[str] = []
-
-        def metric(name, kind, help_, samples):
-            out.append(f"# HELP {name} {help_}")
-            out.append(f"# TYPE {name} {kind}")
-            out.extend(samples)
+        metric = _emitter(out)
 
         for name, key, help_ in (
             ("vllm:num_requests_running", "num_running", "Number of requests in model execution batches."),
