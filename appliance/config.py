@@ -66,6 +66,8 @@ class EngineConfig:
     # --pooler-config: {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": bool} (a dict or its JSON text);
     # unset fields come from the checkpoint (appliance.layers.pooler.resolve_pooler_config)
     pooler_config: dict | str | None = None
+    # --speculative-config (vLLM's JSON): a dict or its JSON text; parsed by speculative_config()
+    speculative_config: dict | str | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -94,6 +96,8 @@ class EngineConfig:
             from appliance.layers.pooler import parse_pooler_config
 
             parse_pooler_config(self.pooler_config)  # refuse a bad one before the model loads
+        if self.speculative_config is not None:
+            parse_speculative_config(self.speculative_config)  # refused before the model loads
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -154,3 +158,69 @@ def cache_dir() -> Path:
     """Where converted models and built kernels live: ``$APPLIANCE_CACHE_DIR``, else ``~/.cache/appliance``."""
     env = os.environ.get("APPLIANCE_CACHE_DIR")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "appliance"
+
+
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``--speculative-config`` keys). ``ngram``: prompt lookup over the
+    request's own tokens, the longest suffix match of ``prompt_lookup_max`` down to
+    ``prompt_lookup_min`` tokens proposes the ``num_speculative_tokens`` that followed it.
+    ``draft_model``: ``model`` (same tokenizer and vocabulary) proposes them autoregressively.
+    Speculation is off for a step with more than ``disable_by_batch_size`` running requests, and
+    paused for a request whose running acceptance rate falls below ``min_acceptance_rate`` (an
+    appliance key: vLLM has no such switch)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    disable_by_batch_size: int = 8
+    min_acceptance_rate: float = 0.2
+
+
+def parse_speculative_config(value: dict | str) -> SpeculativeConfig:
+    """A SpeculativeConfig from a dict or its JSON text; a bad one raises InvalidRequestError naming
+    ``speculative_config.<key>`` and the value."""
+    import json
+
+    name = "speculative_config"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"{name} is not valid JSON ({e}): {value!r}", name) from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{name} must be a JSON object, got {value!r}", name)
+    keys = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    unknown = sorted(set(value) - keys)
+    if unknown:
+        raise InvalidRequestError(f"{name} has unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(keys))}",
+                                  f"{name}.{unknown[0]}")
+    method = value.get("method")
+    if method is None and value.get("model"):
+        method = "draft_model"  # vLLM infers the method from a model path
+    if method not in SPEC_METHODS:
+        raise InvalidRequestError(f"{name}.method must be one of {', '.join(SPEC_METHODS)}; got {method!r}",
+                                  f"{name}.method")
+    if "num_speculative_tokens" not in value:
+        raise InvalidRequestError(f"{name}.num_speculative_tokens is required", f"{name}.num_speculative_tokens")
+    cfg = SpeculativeConfig(**{**value, "method": method})
+    for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+        _positive(f"{name}.{key}", getattr(cfg, key))
+    if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
+        raise InvalidRequestError(f"{name}.prompt_lookup_min={cfg.prompt_lookup_min} exceeds "
+                                  f"prompt_lookup_max={cfg.prompt_lookup_max}", f"{name}.prompt_lookup_min")
+    if not isinstance(cfg.min_acceptance_rate, (int, float)) or not 0 <= cfg.min_acceptance_rate <= 1:
+        raise InvalidRequestError(f"{name}.min_acceptance_rate must be in [0, 1], got {cfg.min_acceptance_rate!r}",
+                                  f"{name}.min_acceptance_rate")
+    if method == "draft_model" and not cfg.model:
+        raise InvalidRequestError(f"{name}.model is required with method draft_model, got {cfg.model!r}",
+                                  f"{name}.model")
+    if method == "ngram" and cfg.model is not None:
+        raise InvalidRequestError(f"{name}.model applies to method draft_model only; got model={cfg.model!r} "
+                                  f"with method ngram", f"{name}.model")
+    return cfg

@@ -93,7 +93,8 @@ class KVCacheManager:
         if num_required > 0:
             req.block_ids.extend(b.block_id for b in self.pool.allocate(num_required))
         if self.enable_caching:
-            self._cache_full_blocks(req, num_computed + num_new_tokens)
+            # only known tokens are hashed: draft tokens scheduled past them are unverified
+            self._cache_full_blocks(req, min(num_computed + num_new_tokens, req.num_tokens))
         return True
 
     def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
@@ -135,6 +136,19 @@ class KVCacheManager:
 
     def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
         return max_blocks_held(num_tokens, self.block_size, self.sliding_window, max_chunk)
+
+    def free_tail(self, req: Request, num_tokens: int) -> int:
+        """Release the blocks past the first ``cdiv(num_tokens, block_size)`` of the request's table:
+        after a speculative step they held only rejected draft tokens (never hashed: only known
+        tokens are). Latest first, as ``free`` does. Returns how many were released."""
+        keep = cdiv(num_tokens, self.block_size)
+        tail = req.block_ids[keep:]
+        if not tail:
+            return 0
+        assert len(req.block_hashes) <= keep, "a block past the verified tokens is in the prefix cache"
+        del req.block_ids[keep:]
+        self.pool.free([b for b in reversed(tail) if b != NULL_BLOCK])
+        return len(tail)
 
     def free(self, req: Request) -> None:
         self.pool.free([b for b in reversed(req.block_ids) if b != NULL_BLOCK])

@@ -139,6 +139,14 @@ class LLMEngine:
                                    self.max_model_len, config.long_prefill_token_threshold,
                                    parse_itl_target(config.itl_target))
         self.sampler = Sampler(self.device, config.seed, argmax=self.runner.ops.argmax)
+        self.spec = None  # speculative decoding (appliance/engine/spec_decode), when configured
+        if config.speculative_config is not None:
+            if self.pooler_config is not None:
+                raise InvalidRequestError("speculative_config applies to runner=generate; this engine's runner is "
+                                          "pooling", "speculative_config")
+            from appliance.engine.spec_decode import SpecDecoder
+
+            self.spec = SpecDecoder(config, self)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = self.info.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
@@ -252,6 +260,10 @@ class LLMEngine:
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(rid, ids, sp, () if sp.ignore_eos else self.eos_token_ids, max_tokens,
                                     parent_id=request_id, index=i))
+            if self.spec is not None and compiled is not None:
+                # the grammar would have to advance through unverified drafts: this one decodes plainly
+                children[-1].spec_allowed = False
+                log.info("request %s: structured output, speculative decoding off for it", rid)
         texts = [ChoiceText(self.tokenizer, ids, c.sampling_params) for c in children] if self.detokenize else None
         self.parents[request_id] = _Parent(request_id, text, ids, children, texts)
         for c in children:
@@ -319,6 +331,8 @@ class LLMEngine:
                 if not c.is_finished:
                     self.scheduler.finish_request(c.request_id, RequestStatus.FINISHED_ABORTED)
                 self.sampler.forget(c.request_id)
+                if self.spec is not None:
+                    self.spec.forget(c.request_id)
                 if self.runner.pooler is not None:
                     self.runner.pooler.forget(c.request_id)
                 self.structured.forget(c.request_id)
@@ -352,11 +366,15 @@ class LLMEngine:
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.spec is not None:
+            self.spec.before_schedule(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         if self.pooler_config is not None:
             return self._step_pooling(sched, t0)
+        if self.spec is not None:
+            self.spec.after_schedule(sched.scheduled, self.sampler)  # the draft model's tokens
         plp_rows = [i for i, (r, _) in enumerate(sched.scheduled)
                     if r.prompt_logprobs is not None and r.num_computed_tokens < r.num_prompt_tokens]
         masks = None
@@ -364,6 +382,7 @@ class LLMEngine:
             # The sequences that sample this step (as update_computed will return them, in order):
             # their grammar masks are computed on a worker thread while the forward pass below runs
             # (llguidance releases the GIL, so does torch in its kernels); joined before sampling.
+            # Speculating requests (never constrained ones) are not among them: 1 + drafts tokens.
             will_sample = [r.request_id for r, n in sched.scheduled if r.num_computed_tokens + n == r.num_tokens]
             masks = self.structured.start_masks(will_sample)
         t1 = time.perf_counter()
@@ -377,21 +396,45 @@ class LLMEngine:
         sampled = self.scheduler.update_computed(sched)
         touched: dict[str, _Parent] = {}
         t3 = time.perf_counter()
+        num_generated = len(sampled)
         if sampled:
-            if masks is not None and [r.request_id for r in sampled] != will_sample:
+            plain, plain_rows, spec_reqs, spec_rows = sampled, None, [], []
+            if any(r.spec_token_ids for r in sampled):  # logits rows: 1 + drafts per request, in order
+                plain, plain_rows, row = [], [], 0
+                for r in sampled:
+                    m = 1 + len(r.spec_token_ids)
+                    if m == 1:
+                        plain.append(r)
+                        plain_rows.append(row)
+                    else:
+                        spec_reqs.append(r)
+                        spec_rows.extend(range(row, row + m))
+                    row += m
+            if masks is not None and [r.request_id for r in plain] != will_sample:
                 raise RuntimeError("grammar masks were computed for other rows than the sampler's")
-            results = self.sampler(logits, sampled, masks.result() if masks is not None else None)
+            results = {}
+            if plain:
+                rows = logits if plain_rows is None else logits[plain_rows]
+                for r, res in zip(plain, self.sampler(rows, plain, masks.result() if masks is not None else None)):
+                    results[r.request_id] = [res]
+            if spec_reqs:
+                for r, run in zip(spec_reqs, self.spec.verify(logits[spec_rows], spec_reqs, self.sampler)):
+                    results[r.request_id] = run
             t3 = time.perf_counter()
             now = time.monotonic()
-            for req, res in zip(sampled, results):
-                self._append(req, res, now)
+            for req in sampled:
+                run = results[req.request_id]
+                if len(run) == 1 and not req.spec_token_ids:
+                    self._append(req, run[0], now)
+                else:
+                    num_generated += self._append_run(req, run, now) - 1
                 touched[req.parent_id] = self.parents[req.parent_id]
         outputs = [self._output(p) for p in touched.values()]
         for o in outputs:
             if o.finished:
                 del self.parents[o.request_id]
         self.stats["steps"] += 1
-        self.stats["generation_tokens"] += len(sampled)
+        self.stats["generation_tokens"] += num_generated
         st = self.stats
         prep = self.runner.last_prepare_s
         st["schedule_s"] += t1 - t0
@@ -437,6 +480,26 @@ class LLMEngine:
                 continue  # past the prompt, or already recorded before a preemption
             req.prompt_logprobs.append(top_logprobs(lp[j], req.all_token_ids[nxt], k))
 
+    def _append_run(self, req: Request, run: list, now: float) -> int:
+        """Append a speculating request's verified tokens (its accepted drafts, then the target's
+        token) one at a time with every stop check: a stop inside the run drops the rest. Each
+        accepted draft's KV was computed this step, so it counts as computed; blocks that held only
+        rejected drafts go back to the pool. Returns how many tokens were appended."""
+        num_drafts = len(req.spec_token_ids)
+        req.spec_token_ids = []
+        appended = 0
+        for j, res in enumerate(run):
+            self._append(req, res, now)
+            appended += 1
+            if req.is_finished:
+                break
+            if j < len(run) - 1:
+                req.num_computed_tokens += 1
+        if not req.is_finished:
+            self.kv.free_tail(req, req.num_tokens)
+        self.spec.record(req, num_drafts, len(run) - 1)
+        return appended
+
     def _append(self, req: Request, res, now: float) -> None:
         tok = res.token_id
         req.append_token(tok)
@@ -466,6 +529,8 @@ class LLMEngine:
             self.scheduler.finish_request(req.request_id, status)
             self.sampler.forget(req.request_id)
             self.structured.forget(req.request_id)
+            if self.spec is not None:
+                self.spec.forget(req.request_id)
 
     def _output(self, p: _Parent) -> RequestOutput:
         outs = []

@@ -129,6 +129,9 @@ class ModelRunner:
             start = req.num_computed_tokens
             end = start + n
             input_ids.extend(req.all_token_ids[start:end])
+            num_spec = end - req.num_tokens  # > 0: draft tokens follow the known ones (speculation)
+            if num_spec > 0:
+                input_ids.extend(req.spec_token_ids[:num_spec])
             bt = req.block_ids
             if n == 1:
                 positions.append(start)
@@ -141,7 +144,9 @@ class ModelRunner:
             seq_lens.append(end)
             qsl.append(qsl[-1] + n)
             max_blocks = max(max_blocks, len(bt))
-            if end == req.num_tokens:
+            if num_spec > 0:  # logits at the last known token and at every draft, to verify them
+                logits_idx.extend(range(qsl[-1] - 1 - num_spec, qsl[-1]))
+            elif end == req.num_tokens:
                 logits_idx.append(qsl[-1] - 1)
         table = np.zeros((len(sched.scheduled), max_blocks), dtype=np.int32)
         for i, (req, _) in enumerate(sched.scheduled):
@@ -170,7 +175,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, prompt_logprob_rows: dict[int, tuple[int, int]] | None = None):
-        """Run one step. Returns (logits [num_sampling_requests, vocab] float32, and for each batch
+        """Run one step. Returns (logits [num_sampling_rows, vocab] float32: one row per request that
+        samples, 1 + its drafts for a speculating one, in batch order; and for each batch
         index in ``prompt_logprob_rows`` the float32 log-softmax of every position of its chunk)."""
         t0 = time.perf_counter()
         ids, pos, md, logits_idx = self._inputs(sched)

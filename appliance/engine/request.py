@@ -36,7 +36,8 @@ class Request:
         "max_tokens", "all_token_ids", "num_computed_tokens", "block_ids", "block_hashes", "status",
         "stop_reason", "num_cached_tokens", "num_preemptions", "arrival_time", "first_token_time",
         "logprobs", "cumulative_logprob", "prompt_logprobs", "scheduled_time", "pooling_params",
-        "use_prefix_cache",
+        "use_prefix_cache", "spec_token_ids", "spec_num_computed", "spec_acceptance", "spec_paused_steps",
+        "spec_allowed",
     )
 
     def __init__(
@@ -78,6 +79,15 @@ class Request:
         self.pooling_params = pooling_params
         # False: prefix-cache hits would skip positions this request needs (MEAN / CLS pooling)
         self.use_prefix_cache = True
+        # Speculative decoding (appliance/engine/spec_decode): the draft tokens scheduled after the
+        # last token this step (never in all_token_ids until verified); how many positions the draft
+        # model's own KV cache holds for this request; the running acceptance rate, and how many more
+        # steps speculation stays paused for it after that rate fell too low.
+        self.spec_token_ids: list[int] = []
+        self.spec_num_computed = 0
+        self.spec_acceptance = 1.0
+        self.spec_paused_steps = 0
+        self.spec_allowed = True  # False: this request never speculates (e.g. structured output)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -90,10 +90,43 @@ class Sampler:
         """logits: float32 [len(reqs), vocab] for the last position of each request. ``masks``: an
         ``appliance.structured.StepMasks`` (rows and their int32 bitmasks) or None."""
         n = len(reqs)
-        raw_in = logits
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in reqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self.process(logits, reqs, masks)
+
+        token_ids = [0] * n
+        greedy = [i for i in range(n) if reqs[i].sampling_params.greedy]
+        if greedy:
+            g = self._argmax(logits[greedy] if len(greedy) < n else logits).tolist()
+            for i, t in zip(greedy, g):
+                token_ids[i] = t
+        random_rows = [i for i in range(n) if not reqs[i].sampling_params.greedy]
+        if random_rows:
+            for i, t in zip(random_rows, self._sample(logits[random_rows], [reqs[i] for i in random_rows])):
+                token_ids[i] = t
+
+        results = []
+        for i, req in enumerate(reqs):
+            k = req.sampling_params.logprobs
+            if k is None:
+                results.append(SampleResult(token_ids[i], None, None))
+            else:
+                d = top_logprobs(raw_logprobs[i], token_ids[i], k)
+                results.append(SampleResult(token_ids[i], d, d[token_ids[i]]))
+        return results
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Row argmax with the backend's op (the greedy choice)."""
+        return self._argmax(logits)
+
+    def process(self, logits: torch.Tensor, reqs: list, masks=None) -> torch.Tensor:
+        """The logits every choice is made from: raw ``logits`` [len(reqs), vocab] with penalties,
+        min_tokens, logit_bias and the grammar mask applied (a copy when anything applies). ``reqs``
+        are Requests or anything with the fields the penalties read (speculative decoding passes a
+        view of a request with its earlier drafts appended)."""
+        n = len(reqs)
+        raw_in = logits
         need_penalty = [
             r.sampling_params.repetition_penalty != 1.0 or r.sampling_params.presence_penalty
             or r.sampling_params.frequency_penalty or r.num_output_tokens < r.sampling_params.min_tokens
@@ -127,29 +160,11 @@ class Sampler:
                 fixed = raw_in[rows].clone()
                 apply_token_bitmask(fixed, list(range(len(rows))), bits[dead])
                 logits[rows] = fixed
+        return logits
 
-        token_ids = [0] * n
-        greedy = [i for i in range(n) if reqs[i].sampling_params.greedy]
-        if greedy:
-            g = self._argmax(logits[greedy] if len(greedy) < n else logits).tolist()
-            for i, t in zip(greedy, g):
-                token_ids[i] = t
-        random_rows = [i for i in range(n) if not reqs[i].sampling_params.greedy]
-        if random_rows:
-            for i, t in zip(random_rows, self._sample(logits[random_rows], [reqs[i] for i in random_rows])):
-                token_ids[i] = t
-
-        results = []
-        for i, req in enumerate(reqs):
-            k = req.sampling_params.logprobs
-            if k is None:
-                results.append(SampleResult(token_ids[i], None, None))
-            else:
-                d = top_logprobs(raw_logprobs[i], token_ids[i], k)
-                results.append(SampleResult(token_ids[i], d, d[token_ids[i]]))
-        return results
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+    def probs(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
+        """The distribution a sampled (temperature > 0) row draws from: processed ``logits`` with
+        temperature, top-k, top-p and min-p applied, [len(reqs), vocab] (min-p leaves it unnormalized)."""
         dev = logits.device
         temps = torch.tensor([r.sampling_params.temperature for r in reqs], dtype=logits.dtype, device=dev)
         logits = logits / temps[:, None]
@@ -172,6 +187,15 @@ class Sampler:
         if any(m > 0 for m in min_ps):
             m = torch.tensor(min_ps, dtype=probs.dtype, device=dev)[:, None]
             probs = probs.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values, 0.0)
+        return probs
+
+    def generator_for(self, req) -> torch.Generator:
+        """The request's own generator when it is seeded, else the engine's."""
+        return self._generator(req) if req.sampling_params.seed is not None else self.generator
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+        dev = logits.device
+        probs = self.probs(logits, reqs)
         # Gumbel-style sampling: argmax(p / q) with q ~ Exp(1) draws from p.
         q = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(reqs) if r.sampling_params.seed is None]

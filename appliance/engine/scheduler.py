@@ -95,6 +95,8 @@ class Scheduler:
         and put the request at the front of the queue."""
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.spec_num_computed = 0  # the draft model's KV went with the blocks
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -122,7 +124,18 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            if req.spec_token_ids:
+                # a decode with drafts: its last token plus as many drafts as the budget and the
+                # context allow (positions up to num_tokens - 1 + drafts must stay < max_model_len)
+                num_spec = 0 if prefill else min(len(req.spec_token_ids), budget - n,
+                                                 self.max_model_len - req.num_tokens)
+                req.spec_token_ids = req.spec_token_ids[:max(num_spec, 0)]
+                n += len(req.spec_token_ids)
             while not self.kv.allocate_slots(req, n):
+                if req.spec_token_ids:  # drafts are optional: drop them before preempting anyone
+                    n -= len(req.spec_token_ids)
+                    req.spec_token_ids = []
+                    continue
                 victim = self.running.pop()  # the lowest priority: the most recently admitted
                 self._preempt(victim, out)
                 if victim is req:
@@ -157,6 +170,7 @@ class Scheduler:
                     req.num_cached_tokens = num_hit
                     req.scheduled_time = time.monotonic()
                 self.waiting.popleft()
+                req.spec_token_ids = []  # an admitted request prefills first: no drafts this step
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 out.scheduled.append((req, n))
@@ -173,7 +187,8 @@ class Scheduler:
         their known tokens computed, i.e. that sampled a token this step (in batch order)."""
         sampled = []
         for req, n in out.scheduled:
-            req.num_computed_tokens += n
+            # the drafts' positions count once verified (LLMEngine._append_run), not here
+            req.num_computed_tokens += n - len(req.spec_token_ids)
             if req.num_computed_tokens == req.num_tokens:
                 sampled.append(req)
         return sampled
