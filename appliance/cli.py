@@ -89,6 +89,7 @@ def serve(
         help="auto (pooling for an embedding architecture) | generate | pooling (/v1/embeddings).")] = None,
     pooler_config: Annotated[Optional[str], Opt(
         help='Pooling runner: JSON like {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": true}.')] = None,
+    speculative_config: Annotated[Optional[str], Opt(help=SPEC_HELP)] = None,
     max_queued_requests: Annotated[Optional[int], Opt(
         help="Sequences allowed to wait beyond max_num_seqs; more get 503 (default: no limit).")] = None,
     shutdown_timeout: Annotated[float, Opt(help="Seconds in-flight requests get to finish on SIGTERM.")] = 30.0,
@@ -169,6 +170,7 @@ def serve(
         linear_backend=a.linear_backend, quantization=a.quantization, quant_group_size=a.quant_group_size,
         num_threads=a.num_threads, seed=a.seed, allocator=a.allocator,
         omp_threads_bind=a.omp_threads_bind, runner=a.runner, pooler_config=a.pooler_config,
+        speculative_config=a.speculative_config,
         device=a.device, gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
     )
     try:
@@ -203,6 +205,11 @@ def serve(
     raise typer.Exit(code)
 
 
+SPEC_HELP = ('Speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 3, '
+             '"prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "draft_model", "model": PATH, '
+             '"num_speculative_tokens": 3}; also "disable_by_batch_size" (default 8) and '
+             '"min_acceptance_rate" (default 0.2).')
+
 @app.command()
 def generate(
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="The prompt text.")],
@@ -231,6 +238,7 @@ def generate(
     quantization: Annotated[Optional[str], typer.Option(help="Quantize at load: none | w8a8 | w4a8; gguf: a GGUF's projections as the file stores them.")] = None,
     quant_group_size: Annotated[Optional[int], typer.Option(help="W4 group size.")] = None,
     num_threads: Annotated[Optional[int], typer.Option(help="Threads for the model.")] = None,
+    speculative_config: Annotated[Optional[str], typer.Option(help=SPEC_HELP)] = None,
 ):
     """Generate from one prompt with the offline engine, streaming to the terminal."""
     from appliance.config import EngineConfig
@@ -240,7 +248,8 @@ def generate(
 
     engine_kwargs = dict(model=model, dtype=dtype, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                          block_size=block_size, attention_backend=attention_backend, linear_backend=linear_backend,
-                         quantization=quantization, quant_group_size=quant_group_size, num_threads=num_threads)
+                         quantization=quantization, quant_group_size=quant_group_size, num_threads=num_threads,
+                         speculative_config=speculative_config)
     try:
         config = EngineConfig.from_kwargs(**{k: v for k, v in engine_kwargs.items() if v is not None or k == "model"})
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,

@@ -174,6 +174,47 @@ def latency(
                             repeats=repeats, seed=seed, engine=kw), res, json_out)
 
 
+@bench_app.command()
+def spec(
+    model: ModelOpt = None,
+    draft: Annotated[Optional[str], Opt(help="Draft model (same tokenizer); 'truncate' builds one from the "
+                                              "target's first --draft-layers layers.")] = "truncate",
+    draft_layers: Annotated[int, Opt(help="Layers of the truncated draft.")] = 2,
+    settings: Annotated[str, Opt(help="Comma-separated: none | ngram | draft.")] = "none,ngram,draft",
+    workloads: Annotated[str, Opt(help="Comma-separated: edit | code | chat.")] = "edit,code,chat",
+    concurrency: Annotated[str, Opt(help="Comma-separated concurrency levels.")] = "1,16",
+    output_len: Annotated[int, Opt(help="Tokens per request (greedy, ignore_eos).")] = 128,
+    num_speculative_tokens: Annotated[int, Opt(help="Drafts per step (k).")] = 3,
+    dtype: DtypeOpt = None, num_threads: ThrOpt = None, engine_arg: EngArgOpt = None, json_out: JsonOpt = None,
+):
+    """Offline: decode tok/s with and without n-gram and draft-model speculation (batch 1 and 16),
+    with acceptance rate and mean accepted length."""
+    import json
+    import tempfile
+
+    from appliance.bench.common import new_record, parse_int_list
+    from appliance.bench.spec import format_row, make_truncated_draft, run_bench
+
+    kw = _engine_kwargs(dtype, None, None, None, None, None, num_threads, engine_arg)
+    names = [x.strip() for x in settings.split(",") if x.strip()]
+    if draft == "truncate" and "draft" in names:
+        draft = make_truncated_draft(model, tempfile.mkdtemp(prefix="appliance-draft-"), draft_layers)
+    try:
+        levels = parse_int_list(concurrency)
+        rows = run_bench(model, None if draft == "truncate" else draft, names,
+                         [w.strip() for w in workloads.split(",") if w.strip()], levels, output_len,
+                         num_speculative_tokens, kw, log=lambda m: typer.echo(m, err=True))
+    except ValueError as e:
+        _fail(str(e))
+    for r in rows:
+        typer.echo(format_row(r))
+    if json_out is not None:
+        rec = new_record("spec", dict(model=model, draft=draft, output_len=output_len,
+                                      num_speculative_tokens=num_speculative_tokens, engine=kw), {"rows": rows})
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(rec, indent=2) + "\n")
+
+
 def _tokenizer(path: str | None):
     if not path or not Path(path).is_dir():
         return None

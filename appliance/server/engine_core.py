@@ -126,6 +126,8 @@ def engine_stats(engine) -> dict:
         "num_preemptions": engine.scheduler.num_preemptions,
         "steps": engine.stats["steps"],
         "prefill_capped_steps": engine.scheduler.num_capped_steps,
+        # speculative decoding counters (spec_decode_*), only when it is configured
+        **(engine.spec.stats() if getattr(engine, "spec", None) is not None else {}),
     }
 
 

@@ -133,6 +133,14 @@ class ServerMetrics:
         )
         for name, key, help_ in counters:
             metric(name, "counter", help_, [f"{name}{_labels(L)} {_fmt(engine.get(key, 0))}"])
+        if "spec_decode_num_drafts" in engine:
+            for name, key, help_ in (
+                ("appliance:spec_decode_acceptance_rate", "spec_decode_acceptance_rate",
+                 "Accepted draft tokens / proposed draft tokens (speculative decoding)."),
+                ("appliance:spec_decode_mean_accepted_length", "spec_decode_mean_accepted_length",
+                 "Tokens per speculating step: 1 + accepted drafts, averaged over steps."),
+            ):
+                metric(name, "gauge", help_, [f"{name}{_labels(L)} {_fmt(engine.get(key, 0))}"])
         alloc = self.runtime.get("allocator")
         if alloc:
             live = "true" if alloc.get("name") == "mimalloc" else "false"
@@ -171,6 +179,19 @@ class ServerMetrics:
             ("vllm:num_preemptions_total", engine.get("num_preemptions", 0), "Cumulative number of preemptions."),
         ):
             metric(name, "counter", help_, [f"{name}{_labels(L)} {_fmt(value)}"])
+        if "spec_decode_num_drafts" in engine:  # vLLM's speculative decoding counters
+            for name, key, help_ in (
+                ("vllm:spec_decode_num_drafts_total", "spec_decode_num_drafts", "Number of spec decoding drafts."),
+                ("vllm:spec_decode_num_draft_tokens_total", "spec_decode_num_draft_tokens", "Number of draft tokens."),
+                ("vllm:spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens",
+                 "Number of accepted tokens."),
+            ):
+                metric(name, "counter", help_, [f"{name}{_labels(L)} {_fmt(engine.get(key, 0))}"])
+            per_pos = engine.get("spec_decode_num_accepted_tokens_per_pos") or []
+            metric("vllm:spec_decode_num_accepted_tokens_per_pos_total", "counter",
+                   "Accepted tokens per draft's position.",
+                   [f"vllm:spec_decode_num_accepted_tokens_per_pos_total{_labels({**L, 'position': str(i)})} {n}"
+                    for i, n in enumerate(per_pos)])
         metric("vllm:request_success_total", "counter", "Count of successfully processed requests.",
                [f"vllm:request_success_total{_labels({**L, 'finished_reason': r})} {n}"
                 for r, n in self.requests.items()])

@@ -47,7 +47,10 @@ class DraftModelProposer:
         from appliance.models.loader import model_info
 
         field = "speculative_config.model"
-        path = resolve_model_source(spec.model)
+        try:
+            path = resolve_model_source(spec.model)
+        except (ModelLoadError, OSError) as e:
+            raise ModelLoadError(f"{field}={spec.model!r}: {e}") from e
         if not path.exists():
             raise ModelLoadError(f"{field}={spec.model!r}: no such model directory or GGUF file")
         if target_runner.sliding_window is not None:

@@ -1,0 +1,33 @@
+"""The speculative decoding counters reach /metrics under vLLM's names and the engine stats."""
+from __future__ import annotations
+
+from appliance import SamplingParams
+from appliance.config import EngineConfig
+from appliance.engine.llm_engine import LLMEngine
+from appliance.server.engine_core import engine_stats
+from appliance.server.metrics import ServerMetrics
+
+
+def test_spec_counters_in_metrics(llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=128, speculative_config={
+        "method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3}))
+    engine.add_request("a", engine.tokenize("The quick brown fox"), SamplingParams(temperature=0, max_tokens=9,
+                                                                                   ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    st = engine_stats(engine)
+    # a 1-token prefill step, then runs of 4 (3 accepted drafts + 1) up to max_tokens 9: 1 + 4 + 4
+    assert (st["spec_decode_num_drafts"], st["spec_decode_num_draft_tokens"],
+            st["spec_decode_num_accepted_tokens"]) == (2, 6, 6)
+    assert st["spec_decode_num_accepted_tokens_per_pos"] == [2, 2, 2]
+    assert st["spec_decode_mean_accepted_length"] == 4.0 and st["spec_decode_acceptance_rate"] == 1.0
+    text = ServerMetrics("m").render(st)
+    for line in ('vllm:spec_decode_num_drafts_total{model_name="m"} 2',
+                 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 6',
+                 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 6',
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 2',
+                 'appliance:spec_decode_acceptance_rate{model_name="m"} 1',
+                 "# TYPE vllm:spec_decode_num_drafts_total counter"):
+        assert line in text.splitlines(), line
+    # without speculation: no spec_decode series at all
+    assert "spec_decode" not in ServerMetrics("m").render({"num_running": 0})
