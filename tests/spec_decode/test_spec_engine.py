@@ -215,3 +215,20 @@ def test_speculation_off_for_large_batches_and_structured_output(llama_dir, refe
     assert re.fullmatch("(ab)+c", done["s"].text) or (done["s"].finish_reason == "length"
                                                       and re.fullmatch("(ab)*a?", done["s"].text))
     assert engine.spec.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_low_acceptance_pauses_speculation(llama_dir, draft_dirs, reference):
+    """A draft that is (almost) always wrong: after a few steps the request decodes without drafts
+    (paused), so it proposes fewer drafts than with the pause disabled, and the tokens are the same."""
+    ids, ref = reference
+    drafts = {}
+    for rate in (0.0, 0.5):
+        engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=512, speculative_config={
+            **spec("draft_other", llama_dir, draft_dirs, k=2), "min_acceptance_rate": rate}))
+        got = run_engine(engine, ids[2:3], GREEDY)
+        assert got[0].token_ids == ref[2]
+        st = engine.spec.stats()
+        drafts[rate] = st["spec_decode_num_drafts"]
+        if rate == 0.0:  # never paused: every decode step speculates but (at most) the last, with 1 token left
+            assert st["spec_decode_num_drafts"] + st["spec_decode_num_accepted_tokens"] >= len(ref[2]) - 2
+    assert drafts[0.5] < drafts[0.0]
