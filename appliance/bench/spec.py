@@ -142,13 +142,12 @@ def make_truncated_draft(target_gguf_or_dir: str, out_dir: str, num_layers: int 
     import torch
     import transformers
 
-    from appliance.models.default_model import resolve_model_source, tokenizer_path
+    from appliance.models.default_model import converted_model_dir, resolve_model_source, tokenizer_path
 
     src = resolve_model_source(target_gguf_or_dir)
-    if src.is_file():
-        m = transformers.AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
-    else:
-        m = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    # a GGUF: its cached HF-layout conversion (what the engine itself can load)
+    hf_dir = converted_model_dir(src) if src.is_file() else src
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     m.model.layers = m.model.layers[:num_layers]
     m.config.num_hidden_layers = num_layers
     if getattr(m.config, "layer_types", None):

@@ -153,6 +153,7 @@ def engine_info(engine) -> dict:
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "prefix_caching": engine.config.enable_prefix_caching,
         "itl_target": engine.config.itl_target,
+        "speculative": engine.spec.describe() if getattr(engine, "spec", None) is not None else None,
         "num_threads": torch.get_num_threads(),
         "pid": os.getpid(),
         **pooling_info(engine),

@@ -172,6 +172,8 @@ def print_banner(engine_config: EngineConfig, server: ServerConfig, names: list[
                         f"{server.max_queued_requests if server.max_queued_requests is not None else 'unlimited'}")
     t.add_row("scheduling", f"itl_target {info.get('itl_target', 'off')} (while decodes run, new prompts are "
                             f"chunked to keep each step within it)")
+    if info.get("speculative"):
+        t.add_row("speculative", info["speculative"])
     if info.get("runner") == "pooling":
         pc = info.get("pooler_config") or {}
         t.add_row("runner", f"pooling: /v1/embeddings ({pc.get('pooling_type')}, "

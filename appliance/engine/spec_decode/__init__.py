@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from appliance.config import EngineConfig, SpeculativeConfig, parse_speculative_config
+from appliance.config import EngineConfig, parse_speculative_config
 from appliance.engine.request import Request
 from appliance.engine.sampler import SampleResult, top_logprobs
 from appliance.engine.spec_decode.ngram import propose_ngram
@@ -83,9 +83,13 @@ class SpecDecoder:
         self.num_steps_off = 0  # steps with speculation off for the batch size
         log.info("speculative decoding: %s", self.config)
 
-    @property
-    def spec(self) -> SpeculativeConfig:
-        return self.config
+    def describe(self) -> str:
+        """One line for the server's start-up table."""
+        c = self.config
+        how = (f"n-gram lookup {c.prompt_lookup_min}..{c.prompt_lookup_max}" if c.method == "ngram"
+               else f"draft model {c.model}")
+        return (f"{how}, k={c.num_speculative_tokens}; off above {c.disable_by_batch_size} running requests, "
+                f"paused per request below acceptance {c.min_acceptance_rate}")
 
     def stats(self) -> dict:
         return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
