@@ -232,3 +232,18 @@ def test_low_acceptance_pauses_speculation(llama_dir, draft_dirs, reference):
         if rate == 0.0:  # never paused: every decode step speculates but (at most) the last, with 1 token left
             assert st["spec_decode_num_drafts"] + st["spec_decode_num_accepted_tokens"] >= len(ref[2]) - 2
     assert drafts[0.5] < drafts[0.0]
+
+
+def test_ngram_on_a_fully_windowed_model(tiny_model_dir):
+    """Every layer windowed (blocks out of the window released to NULL_BLOCK while decoding): drafts,
+    their blocks and the released ones coexist; the tokens equal those without speculation."""
+    path = tiny_model_dir("mistral", sliding_window=12)
+    base = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=256, block_size=4))
+    assert base.kv.sliding_window == 12
+    ids = prompts(base.tokenizer)[:3]
+    want = run_engine(base, ids, GREEDY)
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=256, block_size=4,
+                                    speculative_config={"method": "ngram", "num_speculative_tokens": 3}))
+    got = run_engine(engine, ids, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert engine.spec.stats()["spec_decode_num_draft_tokens"] > 0

@@ -87,3 +87,11 @@ def test_cli_generate_with_ngram_matches_plain(llama_dir):
                           capture_output=True, text=True, timeout=300)
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
     assert spec.stdout == plain.stdout
+
+
+def test_draft_with_fully_windowed_target_refused(tiny_model_dir):
+    path = tiny_model_dir("mistral", sliding_window=12)
+    with pytest.raises(ModelLoadError, match=r"speculative_config.model=.*every layer of this target is windowed "
+                                             r"\(sliding_window=12\)"):
+        LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, speculative_config={
+            "method": "draft_model", "model": str(path), "num_speculative_tokens": 2}))
