@@ -115,6 +115,14 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidRequestError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}", "gpu_memory_utilization")
+        from appliance.errors import ApplianceError
+        from appliance.runtime.threads import check_rank_lists
+
+        try:  # the tensor/data parallel sizes (1 until those fields exist) decide how many lists
+            check_rank_lists(self.omp_threads_bind, getattr(self, "tensor_parallel_size", 1)
+                             * getattr(self, "data_parallel_size", 1), "omp_threads_bind")
+        except ApplianceError as e:
+            raise InvalidRequestError(str(e), "omp_threads_bind") from None
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise InvalidRequestError(
                 f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}", "kv_cache_memory"
