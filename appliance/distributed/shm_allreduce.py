@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import itertools
 import logging
 import os
 import secrets
@@ -168,11 +167,14 @@ class ShmSegment:
             pass
 
 
-_instances = itertools.count()
+_instances: dict[str, int] = {}  # process group name -> communicators made on it so far
 
 
 class ShmCommunicator(GlooCommunicator):
-    """The native shared-memory all-reduce within one host; gloo for everything else (see module doc)."""
+    """The native shared-memory all-reduce within one host; gloo for everything else (see module doc).
+    Collective calls on one communicator come from one thread at a time (each is a step of the
+    sequence all ranks count together); separate communicators may run concurrently.
+    ``fallback_reason``: why all-reduce goes through gloo (None: shared memory)."""
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int, *,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S, start_seq: int = 0):
@@ -194,19 +196,33 @@ class ShmCommunicator(GlooCommunicator):
             if self.fallback_reason is None and not all(ok):
                 self.fallback_reason = "the shared-memory library is unavailable on another rank; gloo"
         if self.fallback_reason is not None:
-            log.warning("all-reduce of rank %d/%d: %s", rank, world_size, self.fallback_reason)
+            self._fall_back(self.fallback_reason)
             return
         store = dist.distributed_c10d._get_default_store()
         group_name = dist.distributed_c10d._get_process_group_name(group or dist.group.WORLD)
-        key = f"appliance/shm_allreduce/{group_name}/{next(_instances)}"
+        with _lib_lock:  # the ranks of a group make its communicators in the same order
+            instance = _instances[group_name] = _instances.get(group_name, -1) + 1
+        key = f"appliance/shm_allreduce/{group_name}/{instance}"
         if rank == 0:
-            seg = ShmSegment(new_segment_name(), world_size, 0, True, chunk_bytes, timeout_s, start_seq, wait=False)
+            try:
+                seg = ShmSegment(new_segment_name(), world_size, 0, True, chunk_bytes, timeout_s, start_seq, wait=False)
+            except ShmAllReduceError as e:  # e.g. /dev/shm full: tell the others rather than leave them waiting
+                store.set(key, "!" + str(e))
+                self._fall_back(f"{e}; gloo")
+                return
             store.set(key, seg.name)
             seg.wait_attached()
         else:
             name = store.get(key).decode()
+            if name.startswith("!"):
+                self._fall_back(f"rank 0 could not create the segment ({name[1:]}); gloo")
+                return
             seg = ShmSegment(name, world_size, rank, False, chunk_bytes, timeout_s, start_seq)
         self.segment = seg
+
+    def _fall_back(self, reason: str) -> None:
+        self.fallback_reason = reason
+        log.warning("all-reduce of rank %d/%d: %s", self.rank, self.world_size, reason)
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         if self.segment is None or t.dtype not in _DTYPE_CODES or t.device.type != "cpu":

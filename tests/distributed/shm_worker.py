@@ -63,6 +63,13 @@ def compare(rank: int, world: int) -> dict:
     [t.join() for t in th]
     out["concurrent_bad"] = bad[:5]
     out["seq"] = shm.segment.seq if shm.segment else None
+
+    # Rank 0 cannot make its segment (here: a chunk size it refuses): every rank falls back to gloo
+    # instead of waiting for a name that never comes, and the sum is still right.
+    failed = ShmCommunicator(None, rank, world, chunk_bytes=100 if rank == 0 else 4096)
+    t = torch.full((5,), float(rank + 1))
+    failed.all_reduce_(t)
+    out["fallback_after_create_failure"] = [failed.segment is None, failed.fallback_reason, t.tolist()]
     shm.close()
     other.close()
     dist.barrier()

@@ -190,6 +190,9 @@ def test_communicator_equals_gloo_two_processes(tmp_path):
         assert rep["leaked_after_open"] == [] and rep["leaked_at_end"] == []
         assert rep["noncontiguous_ok"]
         assert rep["concurrent_bad"] == []
+        no_segment, reason, summed = rep["fallback_after_create_failure"]
+        assert no_segment and "chunk_bytes must be a multiple of 64 and >= 4096, got 100" in reason, reason
+        assert summed == [3.0] * 5
         assert len(rep["cases"]) == 14
         for c in rep["cases"]:
             # Two ranks: a + b rounded once, which is what gloo computes and the rounded fp64 sum.
