@@ -106,7 +106,38 @@ def load_library() -> ctypes.CDLL:
 
 
 def new_segment_name() -> str:
+    """A fresh name, carrying the creator's pid (``sweep_stale_segments`` reads it)."""
     return f"/{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def sweep_stale_segments(shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink segments whose creator process is gone. A name lives only from rank 0's create until every
+    rank has attached; a rank 0 killed inside that window (say, by a launcher tearing down after another
+    rank crashed at start) leaves one behind, and the next rank 0 on the host removes it here."""
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for n in names:
+        pid = n[len(SEGMENT_PREFIX):].split("-", 1)[0] if n.startswith(SEGMENT_PREFIX) else ""
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # the creator still runs (or the pid was reused): leave it
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(os.path.join(shm_dir, n))
+            removed.append(n)
+        except OSError:
+            pass
+    if removed:
+        log.info("removed %d shared-memory segment(s) left by exited processes: %s", len(removed), ", ".join(removed))
+    return removed
 
 
 class ShmSegment:
@@ -204,6 +235,7 @@ class ShmCommunicator(GlooCommunicator):
             instance = _instances[group_name] = _instances.get(group_name, -1) + 1
         key = f"appliance/shm_allreduce/{group_name}/{instance}"
         if rank == 0:
+            sweep_stale_segments()
             try:
                 seg = ShmSegment(new_segment_name(), world_size, 0, True, chunk_bytes, timeout_s, start_seq, wait=False)
             except ShmAllReduceError as e:  # e.g. /dev/shm full: tell the others rather than leave them waiting

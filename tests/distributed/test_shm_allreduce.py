@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from appliance.distributed.shm_allreduce import (
-    SEGMENT_PREFIX, ShmAllReduceError, ShmSegment, load_library, new_segment_name,
+    SEGMENT_PREFIX, ShmAllReduceError, ShmSegment, load_library, new_segment_name, sweep_stale_segments,
 )
 
 HERE = Path(__file__).parent
@@ -136,6 +136,24 @@ def test_rank_that_never_attaches_and_name_is_unlinked():
     with pytest.raises(ShmAllReduceError, match=r"only 1 of 2 ranks attached .* within 0.3 s"):
         seg.wait_attached()
     assert not os.path.exists(f"/dev/shm{name}")
+
+
+def test_segment_of_a_creator_killed_before_attach_is_swept():
+    # Rank 0 made its segment and died before any rank attached: the name stays until the next rank 0
+    # sweeps it. A live creator's segment is left alone.
+    code = ("import os; from appliance.distributed.shm_allreduce import ShmSegment, new_segment_name; "
+            "s = ShmSegment(new_segment_name(), 2, 0, True, 4096, 5.0, wait=False); print(s.name, flush=True); "
+            "os._exit(0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+                       timeout=120)
+    dead_name = r.stdout.strip()
+    assert dead_name and os.path.exists(f"/dev/shm{dead_name}")
+    live = ShmSegment(new_segment_name(), 2, 0, True, 4096, 0.2, wait=False)
+    removed = sweep_stale_segments()
+    assert dead_name[1:] in removed and not os.path.exists(f"/dev/shm{dead_name}")
+    assert os.path.exists(f"/dev/shm{live.name}")
+    with pytest.raises(ShmAllReduceError, match="only 1 of 2 ranks attached"):
+        live.wait_attached()  # and unlinks it
 
 
 def test_bad_arguments_are_refused():
