@@ -70,6 +70,9 @@ struct Handle {
   uint32_t seq;
   bool broken;
   double timeout_s;
+  // Peers' pids as this process sees them; 0 where it cannot (another pid namespace sharing /dev/shm):
+  // those peers are waited for up to the timeout without the liveness check.
+  int32_t peer_pid[kMaxRanks];
 };
 
 size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -114,7 +117,7 @@ bool wait_all(Handle* h, Flag* flags, uint32_t seq, const char* phase, char* err
       if (++yields % kCheckEvery) continue;
       double t = now_s();
       if (start < 0) start = t;
-      int32_t pid = h->hdr->pids[j].load(std::memory_order_relaxed);
+      int32_t pid = h->peer_pid[j];
       if (!alive(pid)) {
         set_err(err, errlen, "shm all-reduce: rank %d (pid %d) exited; rank %d was waiting for it in the %s phase",
                 j, pid, h->rank, phase);
@@ -123,7 +126,7 @@ bool wait_all(Handle* h, Flag* flags, uint32_t seq, const char* phase, char* err
       if (t - start > h->timeout_s) {
         set_err(err, errlen,
                 "shm all-reduce: rank %d (pid %d) did not reach the %s phase within %.1f s (rank %d waiting, step %u)",
-                j, pid, phase, h->timeout_s, h->rank, seq);
+                j, h->hdr->pids[j].load(std::memory_order_relaxed), phase, h->timeout_s, h->rank, seq);
         return false;
       }
     }
@@ -295,7 +298,7 @@ void* appliance_shm_open(const char* name, int world, int rank, int create, size
   }
   hdr->pids[rank].store(int32_t(getpid()), std::memory_order_relaxed);
   hdr->attached.fetch_add(1, std::memory_order_acq_rel);
-  return new Handle{static_cast<char*>(p), bytes, hdr, world, rank, chunk_bytes, hdr->start_seq, false, timeout_s};
+  return new Handle{static_cast<char*>(p), bytes, hdr, world, rank, chunk_bytes, hdr->start_seq, false, timeout_s, {}};
 }
 
 // Wait until all ranks have opened the segment, then unlink its name (every rank tries; ENOENT after
@@ -320,6 +323,10 @@ int appliance_shm_wait_attached(void* handle, const char* name, char* err, size_
     }
   }
   shm_unlink(name);
+  for (int j = 0; j < h->world; ++j) {  // every peer is alive now: one we cannot see is in another pid namespace
+    int32_t pid = h->hdr->pids[j].load(std::memory_order_relaxed);
+    h->peer_pid[j] = alive(pid) ? pid : 0;
+  }
   return 0;
 }
 
