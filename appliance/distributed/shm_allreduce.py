@@ -186,6 +186,14 @@ class ShmSegment:
             raise ShmAllReduceError(self._err.value.decode(errors="replace"))
         return t
 
+    def c_entry(self) -> tuple[int, int]:
+        """(function address, handle) for native code that all-reduces by itself (the one-call decoder
+        stack): call ``int fn(void* handle, void* data, size_t n, int dtype /* 0 float32, 1 bfloat16 */,
+        char* err, size_t errlen)``; 0 on success, else -1 with a message in ``err``. Valid until close()."""
+        if self._h is None:
+            raise ShmAllReduceError("shm all-reduce: the segment is closed")
+        return ctypes.cast(self._lib.appliance_shm_all_reduce, ctypes.c_void_p).value, self._h
+
     def close(self) -> None:
         if self._h is not None:
             self._lib.appliance_shm_close(self._h)

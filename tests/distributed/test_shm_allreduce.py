@@ -108,6 +108,24 @@ def test_sequence_number_wraps_and_chunks():
     assert steps == [(2**32 - 7 + 60) % 2**32] * 2  # crossed 2**32 and came back to small numbers
 
 
+def test_c_entry_point_for_native_callers():
+    # What a C++ caller gets: a plain function pointer and handle, here called through ctypes.
+    import ctypes
+
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                             ctypes.c_char_p, ctypes.c_size_t)
+
+    def fn(r, seg):
+        addr, handle = seg.c_entry()
+        t = torch.full((100,), float(r + 1), dtype=torch.bfloat16)
+        err = ctypes.create_string_buffer(256)
+        assert proto(addr)(handle, t.data_ptr(), t.numel(), 1, err, 256) == 0, err.value
+        return t
+
+    for t in _run_ranks(2, fn):
+        assert torch.all(t == 3)
+
+
 def test_missing_rank_raises_instead_of_hanging():
     ready = threading.Event()
 
