@@ -114,8 +114,8 @@ Q_STACK = re.compile(r"\t(?:ldr|str|ldp|stp)\s+q\d+,.*\[sp")
 
 def test_panel_gemms_are_neon_micro_kernels(arm_build):
     """gemm_f32's and gemm_bf16's blocks are the explicit NEON micro-kernels of gemm_neon.inc in every Arm
-    variant: FMLA by lane (k steps 1-3 of an activation register), the bf16 words widened by USHR/SHL and
-    AND, and BFDOT by element in neon_bf16, with the accumulators held in registers through the k loop
+    variant: FMLA by lane (k steps 1-3 of an activation register), the bf16 words widened by SHL and
+    AND, and BFDOT by element in neon_bf16 and sve, with the accumulators in registers through the k loop
     (no q register stored to or loaded from the stack but the partial-panel epilogue's stores)."""
     for name in ("kernels_neon.o", "kernels_neon_bf16.o", "kernels_sve.o"):
         text = disassemble_demangled(arm_build / name)
@@ -128,10 +128,11 @@ def test_panel_gemms_are_neon_micro_kernels(arm_build):
         # 8 columns x 2 rows x 2 halves; GCC 12 keeps the first by lane and broadcasts x for the rest
         assert len(re.findall(r"\tfmla\s+v\d+\.4s, v\d+\.4s, v\d+\.(?:4s|s\[[01]\])", bg)) >= 32, name
         assert not Q_STACK.findall(bg), name
-    text = disassemble_demangled(arm_build / "kernels_neon_bf16.o")
-    dot = function_text(text, "::bgemm_block_dot<2>")
-    assert len(re.findall(r"\tbfdot\s+v\d+\.4s, v\d+\.8h, v\d+\.2h\[[0-3]\]", dot)) >= 64
-    assert not Q_STACK.findall(dot)
+    # BFDOT: neon_bf16, and sve (in functions of their own +bf16 target, run where the CPU has BF16)
+    for name in ("kernels_neon_bf16.o", "kernels_sve.o"):
+        dot = function_text(disassemble_demangled(arm_build / name), "::bgemm_block_dot<2>")
+        assert len(re.findall(r"\tbfdot\s+v\d+\.4s, v\d+\.8h, v\d+\.2h\[[0-3]\]", dot)) >= 64, name
+        assert not Q_STACK.findall(dot), name
 
 
 def test_bf16_build_contains_bfmmla(arm_build):

@@ -141,7 +141,7 @@ int available_kernels(const KernelTable** out, int max);
 // A variant by name, or nullptr if unknown or not supported on this CPU.
 const KernelTable* find_kernels(const char* name);
 // Whether the CPU has an optional feature a variant uses inside one kernel: "avx512_vnni"
-// (x86), "dotprod", "i8mm" (Arm). Unknown names: false.
+// (x86), "dotprod", "i8mm", "bf16" (Arm). Unknown names: false.
 bool cpu_has(const char* feature);
 // Short text describing the detected CPU features (for logs and `appliance doctor`).
 const char* cpu_features_string();

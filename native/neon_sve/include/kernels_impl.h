@@ -788,7 +788,8 @@ static void gemm_f32(const float* x, int64_t M, int64_t K, const float* wp, int6
 //     pf every 2 word rows (4 k steps, as sgemm_block). A variant defines AK_BGEMM_BLOCK for its own.
 //   template <int MR> void bgemm_block_dot(const uint32_t* A, int64_t lda, ...same...);
 //     the same over bf16 activations given as words of (x[2kk], x[2kk + 1]) pairs: defined by the
-//     variants with a bf16 dot product (AK_BGEMM_DOT), used when x is bf16.
+//     variants with a bf16 dot product (AK_BGEMM_DOT), used when x is bf16 and bgemm_dot_ok() (the
+//     CPU has it: always for avx512bf16 and neon_bf16, a run-time check for sve).
 
 static inline float bgemm_bits(uint32_t u) {
   float f;
@@ -845,7 +846,7 @@ static void gemm_bf16(const void* x, int x_dtype, int64_t M, int64_t K, const ui
   static const DotBlock kDot[MR + 1] = {nullptr,             bgemm_block_dot<1>, bgemm_block_dot<2>,
                                         bgemm_block_dot<3>, bgemm_block_dot<4>, bgemm_block_dot<5>,
                                         bgemm_block_dot<6>, bgemm_block_dot<7>, bgemm_block_dot<8>};
-  const bool dot = x_dtype == kBF16;
+  const bool dot = x_dtype == kBF16 && bgemm_dot_ok();
 #else
   const bool dot = false;
 #endif

@@ -24,6 +24,7 @@ namespace avx512bf16 {
 // broadcast (x[2kk], x[2kk + 1]) word with 16 columns' weight words and adds both products to the
 // fp32 lanes; 2 zmm accumulators a row (as sgemm_block). fp32 activations take the portable block.
 #define AK_BGEMM_DOT 1
+static inline bool bgemm_dot_ok() { return true; }
 template <int MR>
 static void bgemm_block_dot(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t K2, float* C,
                             const char* pf, int pf_per4) {
