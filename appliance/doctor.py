@@ -280,9 +280,12 @@ def _linear_backends() -> dict:
         return {"error": {"dtype": "", "available": False, "reason": f"{type(e).__name__}: {e}"}}
     out = {}
     for name in LINEAR_BACKENDS[1:]:
-        for dtype in ((torch.float32, torch.bfloat16) if name in ("torch", "onednn", "native") else (torch.float32,)):
+        # native_bf16 runs bfloat16 layers only: reported under its own name with that dtype
+        dtypes = ((torch.float32, torch.bfloat16) if name in ("torch", "onednn", "native")
+                  else (torch.bfloat16,) if name == "native_bf16" else (torch.float32,))
+        for dtype in dtypes:
             why = host_problem(name, dtype, torch.device("cpu"))
-            key = name if dtype == torch.float32 else f"{name}:bfloat16"
+            key = name if dtype == dtypes[0] else f"{name}:bfloat16"
             out[key] = {"dtype": str(dtype).removeprefix("torch."), "available": why is None, "reason": why}
     return out
 
