@@ -90,3 +90,31 @@ def test_ngram_longest_most_recent_match():
     assert propose_ngram([1, 2, 3, 4], 1, 3, 3) == []  # nothing repeats
     assert propose_ngram([7], 1, 3, 3) == []
     assert propose_ngram([3, 3, 3], 2, 2, 2) == [3]  # [3, 3] at 0 is followed by one token
+
+
+def test_verify_samples_from_the_processed_target_distribution():
+    """The engine's verification draws from the target distribution after temperature and top-k:
+    a point-mass draft outside the top-k is never accepted, one inside it is accepted with its
+    renormalized probability, and emitted tokens follow that distribution."""
+    from appliance import SamplingParams
+    from appliance.config import EngineConfig
+    from appliance.engine.request import Request
+    from appliance.engine.sampler import Sampler
+    from appliance.engine.spec_decode import SpecDecoder
+
+    spec = SpecDecoder(EngineConfig(model="unused", speculative_config={"method": "ngram",
+                                                                        "num_speculative_tokens": 1}), None)
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.log(torch.stack([P, P_NEXT])).float() * 2.0  # temperature 2 gives back P / P_NEXT
+    top2 = (P[:2] / P[:2].sum()).tolist()  # top_k = 2 at the first position: tokens 0 and 1
+    n = 1500  # 4 sigma of the frequencies is ~0.05
+    for draft, want_accept in ((7, 0.0), (1, top2[1])):
+        counts, accepted = [0] * V, 0
+        for i in range(n):
+            req = Request(f"r{i}", [3, 4, 5], SamplingParams(temperature=2.0, top_k=2), (), 10)
+            req.spec_token_ids = [draft]
+            run = spec.verify(logits.clone(), [req], sampler)[0]
+            counts[run[0].token_id] += 1
+            accepted += len(run) == 2
+        assert counts[2:] == [0] * (V - 2)
+        assert abs(counts[0] / n - top2[0]) < 0.05 and abs(accepted / n - want_accept) < 0.05, (counts, accepted)
