@@ -220,7 +220,12 @@ class DPEngineClient:
         for t in ts:
             t.join(timeout + 10)
         if self._ray is not None:
-            self._ray.stop()
+            # bounded: a Ray whose raylet is gone (a group-wide SIGTERM reaches it too) can block here
+            t = threading.Thread(target=self._ray.stop, name="ray-stop", daemon=True)
+            t.start()
+            t.join(timeout + 10)
+            if t.is_alive():
+                log.warning("Ray did not stop within %.0f s; exiting without it", timeout + 10)
 
     # -- requests -----------------------------------------------------------------------------------
     def _pick(self) -> int:
