@@ -147,9 +147,11 @@ def vllm_env_engine_kwargs(given: dict, environ=None) -> dict:
             out["kv_cache_memory"] = gib
     bind = env.get("VLLM_CPU_OMP_THREADS_BIND")
     if bind and unset("omp_threads_bind"):
-        if "|" in bind:
-            raise ApplianceError(f"VLLM_CPU_OMP_THREADS_BIND={bind!r}: '|' separates tensor-parallel ranks, and "
-                                 "the appliance runs one engine process; give one CPU list (e.g. 0-31)")
+        dp = given.get("data_parallel_size") or int(env.get("APPLIANCE_DATA_PARALLEL_SIZE") or 1)
+        if "|" in bind and bind.count("|") + 1 != dp:
+            raise ApplianceError(f"VLLM_CPU_OMP_THREADS_BIND={bind!r}: '|' separates the CPU lists of engine "
+                                 f"processes, and --data-parallel-size is {dp}; give {dp} list(s) "
+                                 "(e.g. 0-31 for one, 0-31|32-63 for two)")
         out["omp_threads_bind"] = bind
     reserved = env.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
     if reserved and unset("num_threads"):
