@@ -106,3 +106,20 @@ def test_stats_totals_and_per_replica_metrics(tokenizer):
     # one engine: no engine label and no routed series, as before
     single = ServerMetrics("m").render({"num_running": 1})
     assert 'engine="' not in single and "engine_requests_routed" not in single
+
+
+def test_default_kv_budget_is_shared_by_replicas(llama_dir, monkeypatch):
+    """Replicas load at the same moment and each would see the same free memory: the default KV
+    budget (a fraction of available RAM) is the host's, so each of N replicas takes 1/N of it."""
+    from types import SimpleNamespace
+
+    import appliance.engine.model_runner as mr
+    from appliance.engine.llm_engine import LLMEngine
+
+    monkeypatch.setattr(mr.psutil, "virtual_memory", lambda: SimpleNamespace(available=256 << 20))
+    runners = [LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", data_parallel_size=n)).runner
+               for n in (1, 2)]
+    budget = min(mr.DEFAULT_KV_FRACTION * (256 << 20), mr.DEFAULT_KV_CAP_GIB * mr.GiB)
+    assert [r.num_blocks for r in runners] == [int(budget // runners[0].bytes_per_block),
+                                               int(budget / 2 // runners[1].bytes_per_block)]
+    assert runners[0].num_blocks > 1

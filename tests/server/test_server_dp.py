@@ -338,6 +338,27 @@ def test_killed_replica_fails_requests_and_stops_server(start_server, slow_model
         srv.stop()
 
 
+def test_killed_single_engine_stops_server(start_server, llama_dir):
+    """The one-engine path takes the same exit: in-flight error, 503, non-zero exit."""
+    srv = start_server(llama_dir, "--dtype", "float32", "--linear-backend", "torch", "--num-kv-blocks", "64")
+    try:
+        pid = int(re.search(r"core process pid (\d+)", srv.output()).group(1))
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        codes = set()
+        while time.monotonic() - t0 < 10 and 503 not in codes:
+            try:
+                codes.add(httpx.get(f"{srv.base_url}/health", timeout=5).status_code)
+            except httpx.HTTPError:
+                break
+        assert srv.proc.wait(20) != 0, srv.output()
+        assert time.monotonic() - t0 < 20
+        assert 503 in codes, (codes, srv.output())
+        assert "server stopped because the engine failed" in srv.output()
+    finally:
+        srv.stop()
+
+
 @needs_two
 def test_dp2_ray_streams_equal_dp1(dp1_texts, start_server, slow_model_dir):
     try:
