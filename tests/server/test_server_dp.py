@@ -231,7 +231,14 @@ def test_dp2_streams_equal_dp1_and_use_both_replicas(dp1_texts, dp2):
     out = dp2.output()
     pids = replica_pids(out)
     assert len(pids) == 2 and pids[0] != pids[1], out
-    assert "1 threads on CPUs" in out
+    # each replica's threads are pinned to its own CPU (libgomp binds the main thread to its first place)
+    from appliance.runtime.threads import parse_cpu_list
+
+    cpus = {int(i): set(parse_cpu_list(c)) for i, c in re.findall(r"data-parallel replica (\d+): pid \d+, "
+                                                                   r"1 threads on CPUs ([\d,-]+),", out)}
+    assert len(cpus) == 2 and not cpus[0] & cpus[1], out
+    for i, pid in pids.items():
+        assert os.sched_getaffinity(pid) == cpus[i], (i, os.sched_getaffinity(pid), cpus[i])
     texts = concurrent_texts(dp2.base_url)
     for i, (a, b) in enumerate(zip(dp1_texts, texts)):
         assert a == b, (i, a, b)
