@@ -129,6 +129,14 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"--distributed-executor-backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}; "
                 f"got {self.distributed_executor_backend!r}", "distributed_executor_backend")
+        from appliance.errors import ApplianceError
+        from appliance.runtime.threads import check_rank_lists
+
+        try:  # the tensor/data parallel sizes (1 until those fields exist) decide how many lists
+            check_rank_lists(self.omp_threads_bind, getattr(self, "tensor_parallel_size", 1)
+                             * getattr(self, "data_parallel_size", 1), "omp_threads_bind")
+        except ApplianceError as e:
+            raise InvalidRequestError(str(e), "omp_threads_bind") from None
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise InvalidRequestError(
                 f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}", "kv_cache_memory"

@@ -63,7 +63,8 @@ def _sources(src: Path) -> list[Path]:
 def _source_hash(src: Path) -> str:
     h = hashlib.sha256()
     for p in sorted(src.rglob("*")):
-        if p.is_file() and p.suffix in (".cpp", ".h", ".inc") and "harness" not in p.parts:
+        # shm/ is its own small library (appliance/distributed/shm_allreduce.py), not part of the extension
+        if p.is_file() and p.suffix in (".cpp", ".h", ".inc") and "harness" not in p.parts and "shm" not in p.parts:
             h.update(str(p.relative_to(src)).encode())
             h.update(p.read_bytes())
     return h.hexdigest()[:16]

@@ -41,60 +41,28 @@ _SUMMED = ("num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_h
 
 
 def replica_placements(config: EngineConfig, allowed: set[int] | None = None) -> list[threads.Placement]:
-    """One Placement per replica, or ApplianceError naming the flag, the value and what is valid.
-
-    ``--omp-threads-bind 'a|b|...'``: one CPU list per replica (as many lists as replicas, no CPU
-    in two). ``auto`` or one list: its physical cores split evenly (auto takes every NUMA node's
-    cores, node by node, so a split falls on node boundaries when the counts allow). ``nobind``: no
-    pinning, ``--num-threads`` (or cores / replicas) threads each. In every case replicas x threads
-    per replica must fit the CPUs.
-
-    TODO(lead): shm's ``threads.resolve_ranks(spec, n)`` (per-rank placement for tensor parallel)
-    was not on main when this was written; once it lands, this should call it for the 'a|b' and
-    even-split cases (and a DP x TP layout should take dp * tp lists)."""
+    """One Placement per replica (``threads.resolve_ranks``: one '|'-separated CPU list per replica,
+    ``auto`` = one replica per NUMA node or the physical cores split evenly, ``nobind``), or
+    ApplianceError naming the flag, the value and what is valid. On top of resolve_ranks, which
+    only warns about oversubscription: replicas x threads per replica must fit the cores, since
+    replicas that time-share cores would each run slower than one engine on all of them."""
     n = config.data_parallel_size
     allowed = set(os.sched_getaffinity(0)) if allowed is None else set(allowed)
     spec = (config.omp_threads_bind or "auto").strip()
     nt = config.num_threads
-    if "|" in spec:
-        parts = [p.strip() for p in spec.split("|")]
-        if len(parts) != n:
-            raise ApplianceError(f"--omp-threads-bind {spec!r} has {len(parts)} CPU list(s) but --data-parallel-size "
-                                 f"is {n}: give one list per replica, separated by '|'")
-        out = [threads.resolve(p, nt, allowed) for p in parts]
-        seen: dict[int, int] = {}
-        for i, p in enumerate(out):
-            for c in p.cpus or ():
-                if c in seen:
-                    raise ApplianceError(f"--omp-threads-bind {spec!r}: CPU {c} is in the lists of replica {seen[c]} "
-                                         f"and replica {i}; the replicas' lists must not overlap")
-                seen[c] = i
-        return out
-    if n == 1:
-        return [threads.resolve(spec, nt, allowed)]
-    if spec == "nobind":
-        cpus = threads.one_cpu_per_core(sorted(allowed))
-        per = nt or max(1, len(cpus) // n)
-        if n * per > len(allowed):
-            raise ApplianceError(_too_many(n, per, len(allowed), nt))
-        return [threads.Placement(per, None, None, spec) for _ in range(n)]
-    if spec == "auto":
-        nodes = threads.numa_nodes()
-        cpus = [c for k in sorted(nodes) for c in threads.one_cpu_per_core([c for c in nodes[k] if c in allowed])]
-        cpus = cpus or sorted(allowed)
-    else:
-        cpus = threads.resolve(spec, None, allowed).cpus or ()
-    cpus = list(cpus)
-    per_cores = len(cpus) // n
-    per = nt or per_cores
-    if per_cores < 1 or per > per_cores:
-        raise ApplianceError(_too_many(n, max(per, 1), len(cpus), nt, spec))
-    owner = {c: k for k, v in threads.numa_nodes().items() for c in v}
-    out = []
-    for i in range(n):
-        mine = tuple(cpus[i * per_cores:(i + 1) * per_cores][:per])
-        nodes_of = {owner.get(c) for c in mine}
-        out.append(threads.Placement(per, mine, nodes_of.pop() if len(nodes_of) == 1 else None, spec))
+    cores = len(threads.one_cpu_per_core(sorted(allowed)))
+    if "|" not in spec and n > cores:
+        raise ApplianceError(_too_many(n, max(nt or 1, 1), cores, nt, spec))
+    out = threads.resolve_ranks(spec, n, nt, allowed)
+    if n > 1:
+        if spec == "nobind":
+            if sum(p.num_threads for p in out) > len(allowed):
+                raise ApplianceError(_too_many(n, out[0].num_threads, len(allowed), nt, spec))
+        else:
+            for p in out:
+                if p.cpus and p.num_threads > len(p.cpus):
+                    have = sum(len(q.cpus or ()) for q in out)
+                    raise ApplianceError(_too_many(n, p.num_threads, have, nt, spec))
     return out
 
 

@@ -194,6 +194,6 @@ def test_dp_flags_and_per_replica_bind(parse):
         want, _ = parse("--data-parallel-size", "2", "--omp-threads-bind", bind)
         assert engine == want and engine.data_parallel_size == 2 and engine.omp_threads_bind == bind
     out = parse("-dp", "3", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, expect_code=2)
-    assert "VLLM_CPU_OMP_THREADS_BIND='0|1'" in out and "--data-parallel-size is 3" in out
+    assert "VLLM_CPU_OMP_THREADS_BIND='0|1'" in out and "for 3 rank(s)" in out
     out = parse("-dp", "0", expect_code=2)
     assert "--data-parallel-size must be an integer >= 1, got 0" in out

@@ -150,9 +150,9 @@ def test_replica_placements_split_and_refuse():
         a, b = sorted(allowed)[:2]
         ps = replica_placements(EngineConfig(data_parallel_size=2, omp_threads_bind=f"{a}|{b}"), allowed)
         assert [p.cpus for p in ps] == [(a,), (b,)] and [p.num_threads for p in ps] == [1, 1]
-        with pytest.raises(ApplianceError, match=rf"CPU {a} is in the lists of replica 0 and replica 1"):
+        with pytest.raises(ApplianceError, match=rf"CPU {a} is in the lists of ranks 0 and 1"):
             replica_placements(EngineConfig(data_parallel_size=2, omp_threads_bind=f"{a}|{a}"), allowed)
-    with pytest.raises(ApplianceError, match=r"has 2 CPU list\(s\) but --data-parallel-size is 3"):
+    with pytest.raises(ApplianceError, match=r"omp_threads_bind='0\|1': 2 CPU lists .* for 3 rank\(s\)"):
         replica_placements(EngineConfig(data_parallel_size=3, omp_threads_bind="0|1"), allowed)
     # more replicas than cores, and replicas x threads beyond the cores: flag, value and the valid range
     from appliance.runtime.threads import one_cpu_per_core
