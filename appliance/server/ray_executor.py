@@ -126,6 +126,13 @@ class EngineCoreActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def exit(self) -> None:
+        """End the actor from inside (its caller sees ActorDiedError): a ``ray.kill`` from outside
+        SIGTERMs the worker, which can print a traceback from whatever Python code it interrupts."""
+        import ray
+
+        ray.actor.exit_actor()
+
 
 class RayReplicaSet:
     """The Ray side of a replica set: Ray itself, the placement group (one bundle per replica), the actors."""
@@ -275,9 +282,14 @@ class RayEngineClient(AsyncEngineClient):
         except Exception as e:  # noqa: BLE001 - dead or stuck: it is killed below either way
             log.debug("replica %d did not stop cleanly: %s", self.index, e)
         try:
-            ray.kill(self._actor)
-        except Exception:  # noqa: BLE001
-            pass
+            ray.get(self._actor.exit.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            pass  # exited, as asked (or already dead)
+        except Exception:  # noqa: BLE001 - stuck: kill it from outside
+            try:
+                ray.kill(self._actor)
+            except Exception:  # noqa: BLE001
+                pass
         self._actor = None
 
 
