@@ -127,6 +127,14 @@ def serve(
     default_chat_template_kwargs: Annotated[Optional[str], Opt(
         help='JSON object of chat template arguments, e.g. \'{"enable_thinking": false}\' (a request\'s '
              'chat_template_kwargs win).')] = None,
+    data_parallel_size: Annotated[Optional[int], Opt(
+        "--data-parallel-size", "-dp",
+        help="Engine replicas behind this server, each with its own CPUs (an even split of the allowed "
+             "cores, or one --omp-threads-bind list per replica: '0-31|32-63') and its own KV cache; "
+             "new requests go to the least loaded one (default 1).")] = None,
+    distributed_executor_backend: Annotated[Optional[str], Opt(
+        help="How replicas run: mp (local processes, the default) | ray (Ray actors; "
+             "pip install \"appliance[ray]\").")] = None,
     config: Annotated[Optional[str], Opt(
         help="YAML file of flag values (keys: flag names, e.g. max-model-len: 4096); flags given here win.")] = None,
 ):
@@ -172,6 +180,7 @@ def serve(
         omp_threads_bind=a.omp_threads_bind, runner=a.runner, pooler_config=a.pooler_config,
         speculative_config=a.speculative_config,
         device=a.device, gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
+        data_parallel_size=a.data_parallel_size, distributed_executor_backend=a.distributed_executor_backend,
     )
     try:
         engine_kwargs.update(vllm_compat.vllm_env_engine_kwargs(engine_kwargs))
@@ -196,6 +205,10 @@ def serve(
 
         ChatOptions.from_flags(a.enable_auto_tool_choice, a.tool_call_parser, a.reasoning_parser, a.chat_template,
                                a.default_chat_template_kwargs)  # bad chat flags: exit 2 before anything starts
+        from appliance.server.dp_client import check_backend, replica_placements
+
+        check_backend(engine_config)  # ray asked for but missing, too many replicas for the CPUs: exit 2
+        replica_placements(engine_config)
     except ApplianceError as e:
         _fail(str(e), 2)
     try:

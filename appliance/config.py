@@ -22,6 +22,8 @@ QUANTIZATIONS = ("none", "w8a8", "w4a8", "gguf")
 ALLOCATORS = ("mimalloc", "glibc-tuned", "system")
 # vLLM's --runner: auto = pooling for a pooling architecture (a bare *Model), generate otherwise
 RUNNERS = ("auto", "generate", "pooling")
+# How replicas (and later tensor-parallel ranks) run: local processes, or Ray actors (appliance[ray])
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 def _positive(name: str, value, allow_none: bool = False):
@@ -68,6 +70,10 @@ class EngineConfig:
     pooler_config: dict | str | None = None
     # --speculative-config (vLLM's JSON): a dict or its JSON text; parsed by speculative_config()
     speculative_config: dict | str | None = None
+    # Data parallel (serve): this many engine cores, each with its own CPUs and KV cache, behind one
+    # server (appliance/server/dp_client.py); the other fields above are per replica.
+    data_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -119,6 +125,14 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidRequestError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}", "gpu_memory_utilization")
+        if not isinstance(self.data_parallel_size, int) or isinstance(self.data_parallel_size, bool) \
+                or self.data_parallel_size < 1:
+            raise InvalidRequestError(f"--data-parallel-size must be an integer >= 1, got {self.data_parallel_size!r}",
+                                      "data_parallel_size")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise InvalidRequestError(
+                f"--distributed-executor-backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}; "
+                f"got {self.distributed_executor_backend!r}", "distributed_executor_backend")
         from appliance.errors import ApplianceError
         from appliance.runtime.threads import check_rank_lists
 

@@ -86,6 +86,8 @@ class ModelRunner:
             budget = self._gpu_kv_budget(config)
         else:
             budget = min(DEFAULT_KV_FRACTION * psutil.virtual_memory().available, DEFAULT_KV_CAP_GIB * GiB)
+            # the default is the host's: data-parallel replicas, loading at once, share it
+            budget /= config.data_parallel_size
         n = int(budget // self.bytes_per_block)
         if n < 1:
             raise ValueError(f"kv_cache_memory={budget / GiB:.3f} GiB holds no KV block "

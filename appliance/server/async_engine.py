@@ -128,6 +128,10 @@ class AsyncEngineClient:
         self._proc = None
         self._threads_started = False
         self._closing = False
+        # Set by a data-parallel set (dp_client.py) before start_process: this replica's CPUs and name.
+        self.placement = None
+        self.name = "appliance-engine-core"
+        self.on_dead = None  # optional callback(message), in the event loop, when the core dies
 
     # -- life cycle ---------------------------------------------------------------------------------
     def start_process(self) -> None:
@@ -140,9 +144,9 @@ class AsyncEngineClient:
 
         # Placement is resolved here: once libgomp loads with OMP_PLACES it pins the child's main
         # thread, so the child could no longer see the CPUs it may use.
-        placement = threads.resolve(self.config.omp_threads_bind, self.config.num_threads)
+        placement = self.placement or threads.resolve(self.config.omp_threads_bind, self.config.num_threads)
         env = worker_env(self.config.allocator, placement=placement)
-        self._proc = ctx.Process(target=run_engine_core, name="appliance-engine-core",
+        self._proc = ctx.Process(target=run_engine_core, name=self.name,
                                  args=(self.config, in_r, out_w, self.log_level, placement), daemon=True)
         with child_environ(env):  # spawn execs a fresh interpreter with this environment (LD_PRELOAD)
             self._proc.start()
@@ -268,6 +272,8 @@ class AsyncEngineClient:
                 if not fut.done():
                     fut.set_exception(EngineDeadError(msg.message))
             self._stat_waiters.clear()
+            if self.on_dead is not None:
+                self.on_dead(msg.message)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     queue: asyncio.Queue | None = None) -> RequestStream:

@@ -244,6 +244,15 @@ def run_engine_core(config: EngineConfig, in_conn, out_conn, log_level: int = lo
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine] %(message)s")
+    core, msg = start_engine_core(config, placement)
+    out_conn.send(msg)
+    if core is not None:
+        serve_engine_core(core, in_conn, out_conn)
+
+
+def start_engine_core(config: EngineConfig, placement=None) -> tuple[EngineCore | None, Ready | StartupFailed]:
+    """Pin this process, load the model and warm it up: (the core, Ready) or (None, StartupFailed).
+    Shared by the spawned process above and the Ray actor (appliance/server/ray_executor.py)."""
     try:
         from appliance.engine.llm_engine import LLMEngine
         from appliance.runtime.worker import worker_startup
@@ -254,13 +263,15 @@ def run_engine_core(config: EngineConfig, in_conn, out_conn, log_level: int = lo
         info = engine_info(engine)
         info["runtime"] = runtime
     except ApplianceError as e:
-        out_conn.send(StartupFailed(str(e)))
-        return
+        return None, StartupFailed(str(e))
     except Exception as e:  # noqa: BLE001 - report any load failure to the frontend, then exit
-        out_conn.send(StartupFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        return
-    out_conn.send(Ready(info))
-    core = EngineCore(engine)
+        return None, StartupFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    return EngineCore(engine), Ready(info)
+
+
+def serve_engine_core(core: EngineCore, in_conn, out_conn) -> None:
+    """Run the message loop until Shutdown or the frontend's end closes. ``in_conn`` needs
+    ``poll(timeout)`` and ``recv()``, ``out_conn`` ``send(msg)`` (a Pipe's ends, or queues in an actor)."""
     try:
         _loop(core, in_conn, out_conn)
     except (EOFError, BrokenPipeError, ConnectionResetError):

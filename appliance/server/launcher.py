@@ -102,6 +102,7 @@ class _Server(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self._term_requested = False
         self._drain_task: asyncio.Task | None = None
+        self._dead_since: float | None = None
 
     def handle_exit(self, sig, frame) -> None:
         # Unlike uvicorn's, this does not re-raise the signal after shutdown: a server stopped by
@@ -114,6 +115,13 @@ class _Server(uvicorn.Server):
         self._term_requested = True
 
     async def on_tick(self, counter: int) -> bool:
+        # An engine (or data-parallel replica) that died: its requests already ended with an error
+        # and new ones get 503; stop after a moment for the handlers to send those, and exit non-zero.
+        if self.serving.client.dead is not None and not self.should_exit:
+            if self._dead_since is None:
+                self._dead_since = time.monotonic()
+            elif time.monotonic() - self._dead_since > 0.5:
+                self.should_exit = True
         if self._term_requested and self._drain_task is None:
             self._drain_task = asyncio.ensure_future(self._drain())
         return await super().on_tick(counter)
@@ -180,6 +188,9 @@ def print_banner(engine_config: EngineConfig, server: ServerConfig, names: list[
                             f"{'normalized' if pc.get('normalize') else 'not normalized'})")
     t.add_row("auth", "API key required" if server.api_keys else "none (set --api-key or APPLIANCE_API_KEY)")
     t.add_row("engine", f"core process pid {info['pid']}")
+    if info.get("replicas"):
+        t.add_row("data parallel", f"{len(info['replicas'])} replicas ({info['distributed_executor_backend']}): "
+                  + "; ".join(f"pid {r['pid']} CPUs {r['cpus']}" for r in info["replicas"]))
     if info.get("runtime"):
         from appliance.runtime.worker import describe
 
@@ -207,8 +218,11 @@ def serve(engine_config: EngineConfig, server: ServerConfig) -> int:
     model_path = resolve_model_source(engine_config.model)  # once, here: the core gets a plain path
     names = server.served_model_names or [engine_config.model if engine_config.model is not None
                                           else _default_name()]
-    client = AsyncEngineClient(engine_config.replace(model=str(model_path)),
-                               log_level=logging.getLevelName(server.log_level.upper()))
+    from appliance.server.dp_client import DPEngineClient, uses_replica_set
+
+    client_cls = DPEngineClient if uses_replica_set(engine_config) else AsyncEngineClient
+    client = client_cls(engine_config.replace(model=str(model_path)),
+                        log_level=logging.getLevelName(server.log_level.upper()))
     t0 = time.perf_counter()
     client.start_process()
     try:
@@ -219,6 +233,9 @@ def serve(engine_config: EngineConfig, server: ServerConfig) -> int:
         client.shutdown(timeout=2)
         raise
     log.info("engine ready in %.1f s", time.perf_counter() - t0)
+    for i, r in enumerate(info.get("replicas", [])):
+        log.info("data-parallel replica %d: pid %d, %d threads on CPUs %s, %d KV blocks", i, r["pid"],
+                 r["num_threads"], r["cpus"], r["num_kv_blocks"])
     metrics = ServerMetrics(names[0])
     metrics.runtime = info.get("runtime") or {}
     serving = OpenAIServing(client, tokenizer, names, metrics, server.max_queued_requests, chat_options)
@@ -253,6 +270,9 @@ def serve(engine_config: EngineConfig, server: ServerConfig) -> int:
         client.shutdown(timeout=2)
     if not srv.started:
         return 1  # uvicorn could not bind (it logged why)
+    if client.dead is not None:
+        log.error("server stopped because the engine failed: %s", client.dead)
+        return 1
     log.info("server stopped")
     return 0
 

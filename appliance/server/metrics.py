@@ -32,6 +32,15 @@ def _labels(d: dict) -> str:
     return "{" + ",".join(f'{k}="{v}"' for k, v in esc.items()) + "}"
 
 
+def _engine_samples(name: str, key: str, labels: dict, engine: dict) -> list[str]:
+    """The engine-side sample: the total, then (data parallel) one per replica labelled
+    ``engine="<index>"`` as vLLM labels its engines."""
+    out = [f"{name}{_labels(labels)} {_fmt(engine.get(key, 0))}"]
+    for i, rep in enumerate(engine.get("replicas") or ()):
+        out.append(f"{name}{_labels({**labels, 'engine': str(i)})} {_fmt(rep.get(key, 0))}")
+    return out
+
+
 def _emitter(out: list[str]):
     """metric(name, kind, help, samples): one metric's HELP and TYPE lines and its samples into ``out``."""
     def metric(name, kind, help_, samples):
@@ -125,14 +134,18 @@ class ServerMetrics:
             ("appliance:kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV cache blocks in use (0-1)."),
         )
         for name, key, help_ in gauges:
-            metric(name, "gauge", help_, [f"{name}{_labels(L)} {_fmt(engine.get(key, 0))}"])
+            metric(name, "gauge", help_, _engine_samples(name, key, L, engine))
         counters = (
             ("appliance:prefix_cache_queries_total", "prefix_cache_queries", "Prefix-cache lookups, in tokens."),
             ("appliance:prefix_cache_hits_total", "prefix_cache_hits", "Prefix-cache hits, in tokens."),
             ("appliance:num_preemptions_total", "num_preemptions", "Preemptions (KV cache full)."),
         )
         for name, key, help_ in counters:
-            metric(name, "counter", help_, [f"{name}{_labels(L)} {_fmt(engine.get(key, 0))}"])
+            metric(name, "counter", help_, _engine_samples(name, key, L, engine))
+        if engine.get("replicas"):
+            metric("appliance:engine_requests_routed_total", "counter",
+                   "Requests the frontend sent to each data-parallel replica.",
+                   _engine_samples("appliance:engine_requests_routed_total", "num_requests_routed", L, engine)[1:])
         if "spec_decode_num_drafts" in engine:
             for name, key, help_ in (
                 ("appliance:spec_decode_acceptance_rate", "spec_decode_acceptance_rate",
@@ -168,7 +181,7 @@ class ServerMetrics:
             ("vllm:gpu_cache_usage_perc", "kv_cache_usage",
              "KV-cache usage (vLLM's older name; here the CPU KV cache). 1 means 100 percent usage."),
         ):
-            metric(name, "gauge", help_, [f"{name}{_labels(L)} {_fmt(engine.get(key, 0))}"])
+            metric(name, "gauge", help_, _engine_samples(name, key, L, engine))
         for name, value, help_ in (
             ("vllm:prompt_tokens_total", self.prompt_tokens, "Number of prefill tokens processed."),
             ("vllm:generation_tokens_total", self.generation_tokens, "Number of generation tokens processed."),

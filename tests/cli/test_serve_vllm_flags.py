@@ -182,3 +182,18 @@ def test_a_config_file_value_equals_the_flag(parse, tmp_path, flag, value, read)
     cfg.write_text(f"{flag}: {value}\n")
     assert read(*parse("--config", str(cfg))) == read(*parse(f"--{flag}", value))
     assert read(*parse("--config", str(cfg))) != read(*parse())
+
+def test_dp_flags_and_per_replica_bind(parse):
+    """-dp is --data-parallel-size; VLLM_CPU_OMP_THREADS_BIND's '|' lists are one per replica."""
+    engine, _ = parse("-dp", "1", "--distributed-executor-backend", "mp")
+    assert (engine.data_parallel_size, engine.distributed_executor_backend) == (1, "mp")
+    cpus = sorted(threads.one_cpu_per_core(sorted(__import__("os").sched_getaffinity(0))))
+    if len(cpus) >= 2:
+        bind = f"{cpus[0]}|{cpus[1]}"
+        engine, _ = parse("-dp", "2", env={"VLLM_CPU_OMP_THREADS_BIND": bind})
+        want, _ = parse("--data-parallel-size", "2", "--omp-threads-bind", bind)
+        assert engine == want and engine.data_parallel_size == 2 and engine.omp_threads_bind == bind
+    out = parse("-dp", "3", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, expect_code=2)
+    assert "VLLM_CPU_OMP_THREADS_BIND='0|1'" in out and "for 3 rank(s)" in out
+    out = parse("-dp", "0", expect_code=2)
+    assert "--data-parallel-size must be an integer >= 1, got 0" in out
