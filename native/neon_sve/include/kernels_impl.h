@@ -76,21 +76,37 @@ static inline uint32_t kv_f32_bits(float f) {
   return u;
 }
 
-// Exact code -> float32. fp8 normal codes rebias the exponent (e4m3: 7 -> 127, e5m2: 15 -> 127) and
-// move the mantissa bits up; subnormal codes are m * 2^-9 (e4m3) or m * 2^-16 (e5m2), computed from
-// the integer so that no float32 subnormal is formed (DAZ/FTZ modes cannot change the result).
-// Codes of NaN/inf (e4m3 0x7f, e5m2 exponent 31) are never written (the writer clamps to kMax).
+// Exact code -> float32. fp8 codes go through a 256-entry table per format (1 KiB, stays in L1),
+// built at compile time from the format's definition: value = (2^mb + f) * 2^(e - bias - mb), or
+// f * 2^(1 - bias - mb) for subnormal codes (e == 0). A table lookup is a load (or a gather where
+// the ISA has one); the bit-manipulating conversion it replaced compiled to a scalar loop that ran
+// ~40x slower than the int8 path (perf: 45 cycles per element on AVX2). Codes of NaN/inf (e4m3 0x7f,
+// e5m2 exponent 31) are never written (the writer clamps to kMax); their entries hold 0.
+struct KvFp8Table {
+  float v[256];
+};
+constexpr float kv_pow2(int e) {
+  float r = 1.f;
+  for (; e > 0; --e) r *= 2.f;
+  for (; e < 0; ++e) r *= 0.5f;
+  return r;
+}
+constexpr KvFp8Table kv_fp8_table(int mb, int bias) {
+  KvFp8Table t{};
+  for (int b = 0; b < 256; ++b) {
+    const int m = b & 0x7f, e = m >> mb, f = m & ((1 << mb) - 1);
+    const bool special = (mb == 3 && m == 0x7f) || (mb == 2 && e == 31);
+    float v = e == 0 ? (float)f * kv_pow2(1 - bias - mb) : (float)((1 << mb) + f) * kv_pow2(e - bias - mb);
+    if (special) v = 0.f;
+    t.v[b] = (b & 0x80) ? -v : v;
+  }
+  return t;
+}
+static constexpr KvFp8Table kKvE4M3 = kv_fp8_table(3, 7);
+static constexpr KvFp8Table kKvE5M2 = kv_fp8_table(2, 15);
 static inline float kv_decode(KvI8 q) { return (float)q.c; }
-static inline float kv_decode(KvE4M3 q) {
-  const uint32_t m = q.c & 0x7fu;
-  const float f = m < 8u ? (float)(int)m * 0x1p-9f : kv_bits_f32((m << 20) + (120u << 23));
-  return kv_bits_f32(kv_f32_bits(f) | ((uint32_t)(q.c & 0x80u) << 24));
-}
-static inline float kv_decode(KvE5M2 q) {
-  const uint32_t m = q.c & 0x7fu;
-  const float f = m < 4u ? (float)(int)m * 0x1p-16f : kv_bits_f32((m << 21) + (112u << 23));
-  return kv_bits_f32(kv_f32_bits(f) | ((uint32_t)(q.c & 0x80u) << 24));
-}
+static inline float kv_decode(KvE4M3 q) { return kKvE4M3.v[q.c]; }
+static inline float kv_decode(KvE5M2 q) { return kKvE5M2.v[q.c]; }
 
 #ifndef AK_KV_DEQUANT_TILE
 // out[j * D + d] = value(q[j * D + d]) * s[j] for j < n: one cached tile (n tokens of a KV head).
