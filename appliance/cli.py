@@ -64,6 +64,9 @@ def serve(
         help="Exact number of KV blocks (overrides --kv-cache-memory).")] = None,
     block_size: Annotated[Optional[int], Opt(help="Tokens per KV block.")] = None,
     dtype: Annotated[Optional[str], Opt(help="auto | float32 | bfloat16.")] = None,
+    kv_cache_dtype: Annotated[Optional[str], Opt(
+        help="KV cache storage: auto (the model's dtype) | bfloat16 | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2 | "
+             "int8; the quantized ones keep a scale per token and head.")] = None,
     prefix_caching: Annotated[Optional[bool], Opt(
         "--prefix-caching/--no-prefix-caching", "--enable-prefix-caching/--no-enable-prefix-caching",
         help="Reuse KV blocks of shared prompt prefixes.")] = None,
@@ -181,6 +184,7 @@ def serve(
         speculative_config=a.speculative_config,
         device=a.device, gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
         data_parallel_size=a.data_parallel_size, distributed_executor_backend=a.distributed_executor_backend,
+        kv_cache_dtype=a.kv_cache_dtype,
     )
     try:
         engine_kwargs.update(vllm_compat.vllm_env_engine_kwargs(engine_kwargs))
@@ -252,6 +256,8 @@ def generate(
     quant_group_size: Annotated[Optional[int], typer.Option(help="W4 group size.")] = None,
     num_threads: Annotated[Optional[int], typer.Option(help="Threads for the model.")] = None,
     speculative_config: Annotated[Optional[str], typer.Option(help=SPEC_HELP)] = None,
+    kv_cache_dtype: Annotated[Optional[str], typer.Option(
+        help="KV cache storage: auto | bfloat16 | fp8 | fp8_e4m3 | fp8_e5m2 | int8.")] = None,
 ):
     """Generate from one prompt with the offline engine, streaming to the terminal."""
     from appliance.config import EngineConfig
@@ -262,7 +268,7 @@ def generate(
     engine_kwargs = dict(model=model, dtype=dtype, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                          block_size=block_size, attention_backend=attention_backend, linear_backend=linear_backend,
                          quantization=quantization, quant_group_size=quant_group_size, num_threads=num_threads,
-                         speculative_config=speculative_config)
+                         speculative_config=speculative_config, kv_cache_dtype=kv_cache_dtype)
     try:
         config = EngineConfig.from_kwargs(**{k: v for k, v in engine_kwargs.items() if v is not None or k == "model"})
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,

@@ -20,6 +20,9 @@ LINEAR_BACKENDS = ("auto", "torch", "onednn", "native", "native_bf16",  # float;
 # "gguf": a GGUF's projections as the file stores them (vLLM's name), each in its type's scheme
 QUANTIZATIONS = ("none", "w8a8", "w4a8", "gguf")
 ALLOCATORS = ("mimalloc", "glibc-tuned", "system")
+# vLLM's --kv-cache-dtype: auto = the model's dtype; "fp8" is fp8_e4m3 (vLLM's alias). The quantized
+# ones keep a float32 scale per cached token and KV head (appliance/ops/reference.py, quantize_kv).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 # vLLM's --runner: auto = pooling for a pooling architecture (a bare *Model), generate otherwise
 RUNNERS = ("auto", "generate", "pooling")
 # How replicas (and later tensor-parallel ranks) run: local processes, or Ray actors (appliance[ray])
@@ -74,6 +77,8 @@ class EngineConfig:
     # server (appliance/server/dp_client.py); the other fields above are per replica.
     data_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    # KV_CACHE_DTYPES: how the KV cache stores K and V (the engine runs on the model's dtype either way)
+    kv_cache_dtype: str = "auto"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -141,6 +146,10 @@ class EngineConfig:
                              * getattr(self, "data_parallel_size", 1), "omp_threads_bind")
         except ApplianceError as e:
             raise InvalidRequestError(str(e), "omp_threads_bind") from None
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(
+                f"kv_cache_dtype (--kv-cache-dtype) must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                f"got {self.kv_cache_dtype!r}", "kv_cache_dtype")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise InvalidRequestError(
                 f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}", "kv_cache_memory"

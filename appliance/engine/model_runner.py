@@ -18,7 +18,9 @@ from appliance.layers.forward_context import AttentionMetadata, ForwardContext, 
 from appliance.layers.fused_moe import Router
 from appliance.models.loader import ModelInfo
 from appliance.models.loader import load as load_model
+from appliance.errors import InvalidRequestError
 from appliance.ops import get_ops
+from appliance.ops.reference import kv_cache_is_quantized, kv_cache_torch_dtype, kv_scale_shape
 from appliance.runtime.allocator import release_free_memory
 
 log = logging.getLogger("appliance")
@@ -62,20 +64,41 @@ class ModelRunner:
         # and the engine frees them. None when some layer attends to everything (or no windows).
         windows = list(getattr(cfg, "sliding_windows", None) or [None])
         self.sliding_window = None if None in windows else max(windows)
+        self.kv_dtype = self._kv_cache_dtype(config.kv_cache_dtype, dtype, device)
         self.num_blocks = self._num_blocks(config)
         shape = self.ops.kv_cache_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.head_size)
         # Zeroed once: positions past a sequence's length are masked, but must never hold NaN.
-        self.kv_cache = torch.zeros((self.num_layers, 2, *shape), dtype=dtype, device=device)
+        self.kv_cache = torch.zeros((self.num_layers, 2, *shape), dtype=self.kv_dtype, device=device)
         self.last_prepare_s = 0.0
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
+        # a quantized cache's per-row scales, in the same paged layout (ones: never 0 or NaN)
+        self.kv_scale, self.kv_scales = None, None
+        if kv_cache_is_quantized(self.kv_dtype):
+            sshape = kv_scale_shape(self.num_blocks, self.block_size, self.num_kv_heads)
+            self.kv_scale = torch.ones((self.num_layers, 2, *sshape), dtype=torch.float32, device=device)
+            self.kv_scales = [(self.kv_scale[i, 0], self.kv_scale[i, 1]) for i in range(self.num_layers)]
         # decode graphs: a pooling runner never decodes
         self.graphs = (self._decode_graphs(config, max_model_len)
                        if device.type == "cuda" and self.pooler is None else None)
 
+    @staticmethod
+    def _kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        kv = kv_cache_torch_dtype(kv_cache_dtype, dtype)
+        # The CUDA kernels (ops/triton_kernels.py) read caches of the model's dtype only
+        if device.type == "cuda" and kv != dtype:
+            raise InvalidRequestError(
+                f"kv_cache_dtype (--kv-cache-dtype) {kv_cache_dtype!r} is not supported on CUDA with a "
+                f"{str(dtype).removeprefix('torch.')} model; valid there: auto"
+                + (", bfloat16" if dtype == torch.bfloat16 else ""), "kv_cache_dtype")
+        return kv
+
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * elem
+        """KV bytes one block takes over all layers: K and V rows of the cache's dtype, plus a float32
+        scale per row when the cache is quantized."""
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
+        row = self.head_size * elem + (4 if kv_cache_is_quantized(self.kv_dtype) else 0)
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * row
 
     def _num_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
@@ -187,7 +210,7 @@ class ModelRunner:
                 and self.graphs.padded_size(ids.shape[0]) is not None):
             hidden = self.graphs.run(ids, pos, md)  # a decode batch: padded, replayed
         else:
-            with set_forward_context(ForwardContext(md, self.kv_caches, self.ops)):
+            with set_forward_context(ForwardContext(md, self.kv_caches, self.ops, self.kv_scales)):
                 hidden = self.model(ids, pos)
         logits = self.model.compute_logits(hidden[logits_idx]) if logits_idx else None
         extra = {}
@@ -205,7 +228,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         ids, pos, md, _ = self._inputs(sched)
         self.last_prepare_s = time.perf_counter() - t0
-        with set_forward_context(ForwardContext(md, self.kv_caches, self.ops)):
+        with set_forward_context(ForwardContext(md, self.kv_caches, self.ops, self.kv_scales)):
             hidden = self.model(ids, pos)
         qsl = md.query_start_loc.tolist()
         out = {}

@@ -81,16 +81,21 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         md = ctx.attn
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
-        ctx.ops.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
-        # SDPA's causal mask knows neither a window nor a soft cap: such layers go through the cache
-        plain = not self.sliding_window and not self.logits_soft_cap
+        # a quantized cache's per-row scales (--kv-cache-dtype int8/fp8); ops without them never see the kwargs
+        kw = {}
+        if ctx.kv_scales is not None:
+            kw = dict(zip(("k_scale", "v_scale"), ctx.kv_scales[self.layer_idx]))
+        ctx.ops.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping, **kw)
+        # SDPA's causal mask knows neither a window nor a soft cap: such layers go through the cache;
+        # so does a cache of another dtype than k (bf16 or quantized KV): attention must read what it stores
+        plain = not self.sliding_window and not self.logits_soft_cap and key_cache.dtype == k.dtype
         if md.is_prefill_only and plain and not getattr(ctx.ops, "PAGED_PREFILL", False):
             out = self._prefill_from_scratch(q, k, v, md.query_start_loc.tolist())
         else:
             out = ctx.ops.paged_attention(q, key_cache, value_cache, md.block_table, md.seq_lens,
                                           md.query_start_loc, self.scale, md.max_query_len,
                                           sliding_window=self.sliding_window,
-                                          logits_soft_cap=self.logits_soft_cap)
+                                          logits_soft_cap=self.logits_soft_cap, **kw)
         return out.reshape(q.shape[0], self.num_heads * self.head_size)
 
     def _prefill_from_scratch(self, q, k, v, qsl: list[int]) -> torch.Tensor:

@@ -26,6 +26,9 @@ class ForwardContext:
     attn: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key_cache, value_cache)
     ops: ModuleType
+    # quantized KV caches (--kv-cache-dtype int8/fp8): per layer (k_scale, v_scale), float32
+    # [num_blocks, num_kv_heads, block_size] (appliance.ops.reference.kv_scale_shape); else None
+    kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 _current: ForwardContext | None = None

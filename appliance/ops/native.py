@@ -32,6 +32,7 @@ import torch
 
 from appliance.ops import reference
 from appliance.ops.reference import kv_cache_shape, rotary_cos_sin_cache, softmax_scale  # noqa: F401
+from appliance.ops.reference import kv_cache_is_quantized, kv_scale_shape  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,18 @@ PAGED_PREFILL = True
 # without the Python between them). False keeps the per-op path (tests compare the two).
 FUSED_LAYERS = True
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+# KV cache storage the kernels read and write: the float dtypes, and one byte per element with
+# per-row float32 scales (reference.quantize_kv)
+_KV_DTYPES = _SUPPORTED_DTYPES + (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _scales_ok(cache: torch.Tensor, *scales: torch.Tensor | None) -> bool:
+    """A quantized cache's scales as the kernels take them (else the reference runs)."""
+    if not kv_cache_is_quantized(cache.dtype):
+        return True
+    want = kv_scale_shape(cache.shape[0], cache.shape[2], cache.shape[1])
+    return all(s is not None and s.dtype == torch.float32 and s.is_contiguous() and tuple(s.shape) == want
+               and s.device.type == "cpu" for s in scales)
 
 
 def source_dir() -> Path:
@@ -278,21 +291,27 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write each token's K and V into its slot. Negative slots are skipped (padding)."""
+    """Write each token's K and V into its slot. Negative slots are skipped (padding). A quantized
+    cache gets codes and per-row scales (``reference.quantize_kv``, bit for bit)."""
     if (
         not _native_ok(key, key_cache)
         or key.dtype not in _SUPPORTED_DTYPES
         or value.dtype != key.dtype
-        or key_cache.dtype not in _SUPPORTED_DTYPES
+        or key_cache.dtype not in _KV_DTYPES
+        or value_cache.dtype != key_cache.dtype
         or key.dim() != 3
         or key.stride(-1) != 1
         or value.stride(-1) != 1
         or not key_cache.is_contiguous()
         or not value_cache.is_contiguous()
+        or not _scales_ok(key_cache, k_scale, v_scale)
     ):
-        return reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    _ext.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.to(torch.int64).contiguous())
+        return reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    _ext.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.to(torch.int64).contiguous(),
+                           k_scale, v_scale)
 
 
 def paged_attention(
@@ -306,25 +325,28 @@ def paged_attention(
     max_query_len: int | None = None,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged context, optionally within a
-    sliding window of ``sliding_window`` keys and with soft-capped scores (see
-    ``reference.paged_attention``). ``[num_tokens, num_heads, head_size]`` in query's dtype."""
+    sliding window of ``sliding_window`` keys and with soft-capped scores, over a float or quantized
+    cache (see ``reference.paged_attention``). ``[num_tokens, num_heads, head_size]`` in query's dtype."""
     head_size = query.shape[-1]
     if (
         not _native_ok(query, key_cache)
         or query.dim() != 3
         or query.dtype not in _SUPPORTED_DTYPES
-        or key_cache.dtype not in _SUPPORTED_DTYPES
+        or key_cache.dtype not in _KV_DTYPES
         or value_cache.dtype != key_cache.dtype
         or head_size % 16 != 0
         or query.shape[1] % key_cache.shape[1] != 0
         or not key_cache.is_contiguous()
         or not value_cache.is_contiguous()
+        or not _scales_ok(key_cache, k_scale, v_scale)
     ):
         return reference.paged_attention(
             query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, max_query_len,
-            sliding_window, logits_soft_cap,
+            sliding_window, logits_soft_cap, k_scale, v_scale,
         )
     if query.stride(-1) != 1:
         query = query.contiguous()
@@ -335,7 +357,7 @@ def paged_attention(
     _ext.paged_attention(
         query, key_cache, value_cache, bt,
         seq_lens.to(torch.int32).contiguous(), query_start_loc.to(torch.int32).contiguous(),
-        float(scale), out, int(sliding_window), float(logits_soft_cap),
+        float(scale), out, int(sliding_window), float(logits_soft_cap), k_scale, v_scale,
     )
     return out
 

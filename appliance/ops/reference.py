@@ -24,20 +24,91 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_siz
     return (num_blocks, num_kv_heads, block_size, head_size)
 
 
+# --- Quantized KV cache (``--kv-cache-dtype int8 | fp8_e4m3 | fp8_e5m2``) --------------------------
+# Storage: the cache tensors hold one byte per element (torch.int8 / float8_e4m3fn / float8_e5m2), and
+# each cached token's head row has its own float32 scale in a side tensor ``[num_blocks, num_kv_heads,
+# block_size]`` (``kv_scale_shape``: the cache's paged layout minus head_size), so a block's scales
+# travel with it (prefix caching, freeing) with no bookkeeping of their own. An element's value is
+# ``code * scale``. Scale = absmax(row) / the type's largest finite value, symmetric, no zero point.
+#
+# Why per token and head, for fp8 too: vLLM's default fp8 KV uses one per-tensor scale of 1.0, and
+# e4m3 tops out at 448, so any K or V entry beyond that (they reach thousands in some models' outlier
+# channels) saturates; a per-row scale cannot overflow, spends e4m3's 3 mantissa bits on the row's own
+# range, and costs 4 bytes per row (3% of a 128-wide row of bytes). Per-block scales were not chosen:
+# a block's later tokens can raise its absmax after earlier ones are written, which would mean
+# rescaling written codes (or a worse scale fixed by the first token).
+KV_QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+# the --kv-cache-dtype names (appliance.config.KV_CACHE_DTYPES) -> the cache tensors' dtype
+KV_CACHE_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn,
+                         "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache tensors' dtype for a ``--kv-cache-dtype`` name; ``auto`` is the model's dtype."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in KV_CACHE_TORCH_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_TORCH_DTYPES)}; "
+                         f"got {kv_cache_dtype!r}")
+    return KV_CACHE_TORCH_DTYPES[kv_cache_dtype]
+
+
+def kv_cache_is_quantized(dtype: torch.dtype) -> bool:
+    """Whether a cache of this dtype carries per-row scales."""
+    return dtype in KV_QUANT_MAX
+
+
+def kv_scale_shape(num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
+    """Shape of one layer's key (or value) scales for a quantized cache: float32, one per cached row."""
+    return (num_blocks, num_kv_heads, block_size)
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., head_size]`` -> (codes ``[..., head_size]`` of ``dtype``, float32 scales ``[...]``):
+    scale = absmax / max (1 for an all-zero row), codes of ``clamp(x / scale, -max, max)`` (int8:
+    rounded half to even; fp8: torch's round-to-nearest-even conversion). Math in float32; the native
+    writer produces the same bits."""
+    qmax = KV_QUANT_MAX[dtype]
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / torch.tensor(qmax, dtype=torch.float32)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = (xf / scale.unsqueeze(-1)).clamp_(-qmax, qmax)
+    codes = y.round_().to(dtype) if dtype == torch.int8 else y.to(dtype)
+    return codes, scale
+
+
+def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``codes * scale`` (``scale`` broadcast over the last dim): what attention reads."""
+    return codes.float() * scale.unsqueeze(-1)
+
+
 def reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64, slot = block_id * block_size + offset
+    k_scale: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size] float32: quantized caches
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write each token's K and V into its slot. Negative slots are skipped (padding)."""
+    """Write each token's K and V into its slot. Negative slots are skipped (padding). A quantized
+    cache (int8 / fp8 dtype) gets codes and per-row scales (``quantize_kv``)."""
     block_size = key_cache.shape[2]
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping % block_size
+    if kv_cache_is_quantized(key_cache.dtype):
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"a {key_cache.dtype} KV cache needs k_scale and v_scale")
+        kq, ks = quantize_kv(key, key_cache.dtype)
+        vq, vs = quantize_kv(value, value_cache.dtype)
+        key_cache[block_ids, :, offsets] = kq
+        value_cache[block_ids, :, offsets] = vq
+        k_scale[block_ids, :, offsets] = ks
+        v_scale[block_ids, :, offsets] = vs
+        return
     key_cache[block_ids, :, offsets] = key.to(key_cache.dtype)
     value_cache[block_ids, :, offsets] = value.to(value_cache.dtype)
 
@@ -60,6 +131,8 @@ def paged_attention(
     max_query_len: int | None = None,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    k_scale: torch.Tensor | None = None,  # quantized caches: [num_blocks, num_kv_heads, block_size] float32
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged context.
 
@@ -70,8 +143,14 @@ def paged_attention(
     entries may be placeholders (the engine frees such blocks).
     ``logits_soft_cap=c > 0``: scores (after ``* scale``) become ``c * tanh(scores / c)`` before the
     mask and softmax (Gemma 2's ``attn_logit_softcapping``). 0 turns either off.
+    A quantized cache (int8 / fp8) is read as ``dequantize_kv(codes, scale)`` (float32).
     Returns ``[num_tokens, num_heads, head_size]`` in ``query``'s dtype. Math in float32.
     """
+    if kv_cache_is_quantized(key_cache.dtype):
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"a {key_cache.dtype} KV cache needs k_scale and v_scale")
+        # the oracle: the whole cache dequantized once, then the float path below
+        key_cache, value_cache = dequantize_kv(key_cache, k_scale), dequantize_kv(value_cache, v_scale)
     if sliding_window < 0:
         raise ValueError(f"sliding_window must be >= 0 (0: off), got {sliding_window}")
     if logits_soft_cap < 0:

@@ -78,6 +78,10 @@ def test_harness_under_qemu(arm_build, profile):
         assert len(re.findall(rf"^PASS {v}\s+w8g ", r.stdout, re.M)) == 8, v  # 3 of them the overflow worst cases, 2 group 16
         assert len(re.findall(rf"^PASS {v}\s+gemm_f32 M", r.stdout, re.M)) == 5, v  # the float panel GEMM
         assert len(re.findall(rf"^PASS {v}\s+gemm_f32 silu_mul ", r.stdout, re.M)) == 2, v  # + silu(gate) * up
+        # quantized KV cache: int8 / fp8 e4m3 / e5m2 writes bit for bit against the oracle, and attention
+        # over such caches (decode, chunked prefill, GQA/MHA, window, soft cap) against naive double
+        assert len(re.findall(rf"^PASS {v}\s+kv write ", r.stdout, re.M)) == 3, v
+        assert len(re.findall(rf"^PASS {v}\s+attn .*kv:(int8|fp8_e4m3|fp8_e5m2) ", r.stdout, re.M)) == 15, v
         assert re.search(rf"^PASS {v}\s+argmax_rows ", r.stdout, re.M), v  # greedy sampling's row argmax
         # issue 19's GEMM grid (M 1/3/8/17/64 x K 64/576/1000/1001, N 100, and two large-magnitude
         # cancelling cases) for the float panel GEMM and the bf16 one with fp32 and bf16 activations

@@ -21,11 +21,33 @@ int dtype_of(const torch::Tensor& t, const char* what) {
 
 const ak::KernelTable* K() { return ak::selected_kernels(); }
 
+// A KV cache's storage type: float32 / bfloat16, or a quantized one (--kv-cache-dtype) whose
+// per-row scales come as a separate tensor.
+int kv_dtype_of(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kChar: return ak::kI8;
+    case torch::kFloat8_e4m3fn: return ak::kFP8E4M3;
+    case torch::kFloat8_e5m2: return ak::kFP8E5M2;
+    default: return dtype_of(t, "key_cache");
+  }
+}
+
+// The scales of a quantized cache: float32 [num_blocks, num_kv_heads, block_size], contiguous.
+const float* kv_scale_ptr(const torch::Tensor& cache, const c10::optional<torch::Tensor>& scale, const char* what) {
+  TORCH_CHECK(scale.has_value() && scale->defined(), what, " is required for a ", cache.scalar_type(), " KV cache");
+  TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() && scale->dim() == 3 &&
+                  scale->size(0) == cache.size(0) && scale->size(1) == cache.size(1) &&
+                  scale->size(2) == cache.size(2),
+              what, ": contiguous float32 [num_blocks, num_kv_heads, block_size] of the cache, got ", scale->sizes());
+  return scale->data_ptr<float>();
+}
+
 void paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
                      const torch::Tensor& value_cache, const torch::Tensor& block_table,
                      const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
                      double scale, torch::Tensor& out, int64_t sliding_window = 0,
-                     double logits_soft_cap = 0.0) {
+                     double logits_soft_cap = 0.0, const c10::optional<torch::Tensor>& k_scale = c10::nullopt,
+                     const c10::optional<torch::Tensor>& v_scale = c10::nullopt) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out: [num_tokens, num_heads, head_size]");
   TORCH_CHECK(sliding_window >= 0 && sliding_window <= INT32_MAX, "sliding_window must be in [0, 2^31), got ",
               sliding_window);
@@ -59,7 +81,11 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
   a.o_stride_head = out.stride(1);
   a.key_cache = key_cache.data_ptr();
   a.value_cache = value_cache.data_ptr();
-  a.kv_dtype = dtype_of(key_cache, "key_cache");
+  a.kv_dtype = kv_dtype_of(key_cache);
+  if (a.kv_dtype != ak::kF32 && a.kv_dtype != ak::kBF16) {
+    a.k_scale = kv_scale_ptr(key_cache, k_scale, "k_scale");
+    a.v_scale = kv_scale_ptr(value_cache, v_scale, "v_scale");
+  }
   a.block_table = block_table.data_ptr<int32_t>();
   a.block_table_stride = block_table.stride(0);
   a.seq_lens = seq_lens.data_ptr<int32_t>();
@@ -132,7 +158,9 @@ void silu_and_mul(const torch::Tensor& x, torch::Tensor& out) {
 }
 
 void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
-                       torch::Tensor& value_cache, const torch::Tensor& slot_mapping) {
+                       torch::Tensor& value_cache, const torch::Tensor& slot_mapping,
+                       const c10::optional<torch::Tensor>& k_scale = c10::nullopt,
+                       const c10::optional<torch::Tensor>& v_scale = c10::nullopt) {
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.stride(2) == 1 && value.stride(2) == 1,
               "reshape_and_cache: key/value [num_tokens, num_kv_heads, head_size], last dim contiguous");
   TORCH_CHECK(key.scalar_type() == value.scalar_type(), "reshape_and_cache: key/value dtypes differ");
@@ -146,6 +174,16 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, tor
     const int64_t* sm = slot_mapping.data_ptr<int64_t>();
     for (int64_t i = 0; i < slot_mapping.numel(); ++i)
       TORCH_CHECK(sm[i] < slots, "reshape_and_cache: slot ", sm[i], " out of range (", slots, " slots)");
+  }
+  const int cache_dtype = kv_dtype_of(key_cache);
+  if (cache_dtype != ak::kF32 && cache_dtype != ak::kBF16) {
+    float* ks = const_cast<float*>(kv_scale_ptr(key_cache, k_scale, "k_scale"));
+    float* vs = const_cast<float*>(kv_scale_ptr(value_cache, v_scale, "v_scale"));
+    K()->reshape_and_cache_quant(key.data_ptr(), value.data_ptr(), dtype_of(key, "key"), key.stride(0),
+                                 key.stride(1), value.stride(0), value.stride(1), key_cache.data_ptr(),
+                                 value_cache.data_ptr(), cache_dtype, ks, vs, slot_mapping.data_ptr<int64_t>(),
+                                 key.size(0), (int)key.size(1), (int)key.size(2), (int)key_cache.size(2));
+    return;
   }
   K()->reshape_and_cache(key.data_ptr(), value.data_ptr(), dtype_of(key, "key"), key.stride(0), key.stride(1),
                          value.stride(0), value.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
@@ -412,13 +450,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, pybind11::arg("query"), pybind11::arg("key_cache"),
         pybind11::arg("value_cache"), pybind11::arg("block_table"), pybind11::arg("seq_lens"),
         pybind11::arg("query_start_loc"), pybind11::arg("scale"), pybind11::arg("out"),
-        pybind11::arg("sliding_window") = 0, pybind11::arg("logits_soft_cap") = 0.0);
+        pybind11::arg("sliding_window") = 0, pybind11::arg("logits_soft_cap") = 0.0,
+        pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none());
   m.def("exp_", &exp_);
   m.def("rms_norm", &rms_norm);
   m.def("fused_add_rms_norm", &fused_add_rms_norm);
   m.def("rotary_embedding", &rotary_embedding);
   m.def("silu_and_mul", &silu_and_mul);
-  m.def("reshape_and_cache", &reshape_and_cache);
+  m.def("reshape_and_cache", &reshape_and_cache, pybind11::arg("key"), pybind11::arg("value"),
+        pybind11::arg("key_cache"), pybind11::arg("value_cache"), pybind11::arg("slot_mapping"),
+        pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none());
   m.def("gemm_w8g_a8", &gemm_w8g_a8);
   m.def("gemm_f32", &gemm_f32, pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("n"), pybind11::arg("silu_mul") = false);

@@ -4,8 +4,9 @@
 // (decode, prefill, chunked prefill, mixed batches; GQA 1/4/8; fp32 and bf16 caches; several
 // head and block sizes), reshape_and_cache, RMSNorm, fused add+RMSNorm, rotary, SiLU-and-mul,
 // the polynomial exp's error bound, and the W8A8 group-scale GEMM (every variant, generic included,
-// against a double-precision reference of its quantized math), and the float32 and bf16-weight panel
-// GEMMs against double-precision products (gemm_f32, gemm_bf16 with fp32 and bf16 activations).
+// against a double-precision reference of its quantized math), the float32 and bf16-weight panel
+// GEMMs against double-precision products (gemm_f32, gemm_bf16 with fp32 and bf16 activations), and
+// the quantized KV cache (int8 / fp8 writes bit for bit against an oracle, attention over such caches).
 //
 //   harness [--expect-variants a,b,c] [--expect-selected name]
 // Prints one line per check and "RESULT: OK" (exit 0) or "RESULT: FAIL" (exit 1).
@@ -674,6 +675,175 @@ void check_argmax(const std::vector<const KernelTable*>& variants) {
   }
 }
 
+// ------------------------------------------------------------------------------------------
+// quantized KV cache (int8 / fp8 e4m3 / fp8 e5m2, a float32 scale per token and KV head): the
+// cache write against an independent oracle (nearest code by exhaustive search, ties to the even
+// code; int8 rounds half to even), bit for bit in every variant; paged attention over quantized
+// caches, the generic one against the naive double attention over the dequantized values, every
+// variant against the naive one too.
+
+const char* qname(int qdt) { return qdt == kI8 ? "int8" : (qdt == kFP8E4M3 ? "fp8_e4m3" : "fp8_e5m2"); }
+float qmax_of(int qdt) { return qdt == kI8 ? kI8Max : (qdt == kFP8E4M3 ? kFP8E4M3Max : kFP8E5M2Max); }
+
+// The value of a code, from the format's definition (not the kernels' bit tricks).
+double code_value(int qdt, uint8_t b) {
+  if (qdt == kI8) return (double)(int8_t)b;
+  const int mb = qdt == kFP8E4M3 ? 3 : 2, bias = qdt == kFP8E4M3 ? 7 : 15;
+  const int m = b & 0x7f, e = m >> mb, f = m & ((1 << mb) - 1);
+  const double v = e == 0 ? std::ldexp((double)f, 1 - bias - mb) : std::ldexp((double)((1 << mb) + f), e - bias - mb);
+  return (b & 0x80) ? -v : v;
+}
+
+bool code_finite(int qdt, int b) {
+  if (qdt == kI8) return true;
+  const int m = b & 0x7f;
+  return qdt == kFP8E4M3 ? m != 0x7f : (m >> 2) != 31;
+}
+
+// The oracle's code of y (already clamped to [-max, max]).
+uint8_t nearest_code(int qdt, float y) {
+  if (qdt == kI8) return (uint8_t)(int8_t)std::nearbyint(y);
+  int best = -1;
+  double be = 0;
+  for (int b = 0; b < 256; ++b) {
+    if (!code_finite(qdt, b)) continue;
+    const double e = std::fabs(code_value(qdt, (uint8_t)b) - (double)y);
+    // ties: the even code (its last mantissa bit 0); a zero keeps y's sign
+    if (best < 0 || e < be || (e == be && ((b & 1) == 0 && (best & 1) == 1)) ||
+        (e == be && code_value(qdt, (uint8_t)b) == 0 && ((b & 0x80) != 0) == std::signbit(y)))
+      best = b, be = e;
+  }
+  return (uint8_t)best;
+}
+
+void check_kv_quant(const std::vector<const KernelTable*>& variants) {
+  const KernelTable* gen = variants.back();
+  Rng rng(2024);
+  const int NT = 8, KH = 2, KD = 32, BS = 3, NB = 6;
+  // rows (token t, head h) with worst cases: all zero, huge, at/over e4m3's 448, subnormal floats,
+  // tiny values beside large ones (codes flush to 0 or to subnormal codes), ordinary normals
+  std::vector<float> kin((size_t)NT * KH * KD), vin(kin.size());
+  for (int t = 0; t < NT; ++t)
+    for (int h = 0; h < KH; ++h)
+      for (int d = 0; d < KD; ++d) {
+        const size_t i = ((size_t)t * KH + h) * KD + d;
+        const float z = rng.normal();
+        float k;
+        switch ((t * KH + h) % 8) {
+          case 0: k = 0.f; break;
+          case 1: k = 1e36f * z; break;
+          case 2: k = d == 0 ? 448.f : (d == 1 ? -500.f : (d == 2 ? 464.f : 300.f * z)); break;
+          case 3: k = 1e-40f * z; break;
+          case 4: k = d == 0 ? 1e4f : 1e-3f * z; break;
+          default: k = 3.f * z;
+        }
+        kin[i] = k;
+        vin[i] = (t * KH + h) % 8 == 0 ? 0.f : -0.5f * k + (d % 5 == 0 ? 0.f : 0.25f * z);
+      }
+  std::vector<int64_t> slots = {4, 0, 17, -1, 9, 3, 11, 15};
+  for (int qdt : {kI8, kFP8E4M3, kFP8E5M2}) {
+    const float qmax = qmax_of(qdt);
+    std::vector<uint8_t> kq_ref((size_t)NB * KH * BS * KD, 0xAA), vq_ref(kq_ref.size(), 0xAA);
+    std::vector<float> ks_ref((size_t)NB * KH * BS, -7.f), vs_ref(ks_ref.size(), -7.f);
+    // the oracle: scale = absmax / max (1 for a zero row), codes of clamp(x / scale)
+    for (int t = 0; t < NT; ++t) {
+      if (slots[t] < 0) continue;
+      for (int h = 0; h < KH; ++h) {
+        const int64_t row = (slots[t] / BS * KH + h) * BS + slots[t] % BS;
+        for (int kv = 0; kv < 2; ++kv) {
+          const float* x = (kv ? vin.data() : kin.data()) + ((size_t)t * KH + h) * KD;
+          float amax = 0.f;
+          for (int d = 0; d < KD; ++d) amax = std::max(amax, std::fabs(x[d]));
+          float sc = amax / qmax;
+          if (!(sc > 0.f)) sc = 1.f;
+          (kv ? vs_ref : ks_ref)[row] = sc;
+          for (int d = 0; d < KD; ++d)
+            (kv ? vq_ref : kq_ref)[row * KD + d] = nearest_code(qdt, std::min(qmax, std::max(-qmax, x[d] / sc)));
+        }
+      }
+    }
+    for (const KernelTable* kt : variants) {
+      std::vector<uint8_t> kq(kq_ref.size(), 0xAA), vq(kq_ref.size(), 0xAA);
+      std::vector<float> ks(ks_ref.size(), -7.f), vs(ks_ref.size(), -7.f);
+      kt->reshape_and_cache_quant(kin.data(), vin.data(), kF32, KH * KD, KD, KH * KD, KD, kq.data(), vq.data(), qdt,
+                                  ks.data(), vs.data(), slots.data(), NT, KH, KD, BS);
+      int bad = 0;
+      for (size_t i = 0; i < kq.size(); ++i) bad += kq[i] != kq_ref[i] || vq[i] != vq_ref[i];
+      for (size_t i = 0; i < ks.size(); ++i) bad += std::memcmp(&ks[i], &ks_ref[i], 4) || std::memcmp(&vs[i], &vs_ref[i], 4);
+      report(bad == 0, kt->name, std::string("kv write ") + qname(qdt) + " == oracle (worst cases)", bad);
+    }
+  }
+
+  // attention over quantized caches: decode, chunked prefill, GQA, a window and a soft cap
+  const std::vector<std::pair<int, int>> decode = {{1, 1}, {1, 17}, {1, 100}, {1, 600}};
+  const std::vector<std::pair<int, int>> mixed = {{1, 45}, {20, 20}, {7, 90}, {1, 530}, {33, 70}};
+  std::vector<AttnCase> cases = {{decode, 8, 2, 64, 16, kF32, kF32},
+                                 {mixed, 8, 2, 64, 16, kF32, kF32},
+                                 {mixed, 4, 4, 48, 5, kF32, kF32},
+                                 {decode, 8, 2, 64, 16, kF32, kF32, 40, 0.f},
+                                 {mixed, 8, 2, 64, 7, kF32, kF32, 13, 5.f}};
+  uint64_t seed = 500;
+  for (int qdt : {kI8, kFP8E4M3, kFP8E5M2})
+    for (const AttnCase& c : cases) {
+      AttnData d(c, seed++);
+      // quantize the whole float caches (garbage rows too) with the generic writer, block by block
+      const int64_t nb = (int64_t)(d.kc.size() / ((size_t)c.kv_heads * c.block_size * c.head_size));
+      const int64_t rows = nb * c.kv_heads * c.block_size;
+      std::vector<uint8_t> kq((size_t)rows * c.head_size), vq(kq.size());
+      std::vector<float> ks((size_t)rows), vs((size_t)rows);
+      for (int64_t b = 0; b < nb; ++b) {
+        std::vector<int64_t> sl(c.block_size);
+        for (int o = 0; o < c.block_size; ++o) sl[o] = b * c.block_size + o;
+        const int64_t base = b * c.kv_heads * c.block_size * c.head_size;
+        gen->reshape_and_cache_quant(d.kc.f.data() + base, d.vc.f.data() + base, kF32, c.head_size,
+                                     (int64_t)c.block_size * c.head_size, c.head_size,
+                                     (int64_t)c.block_size * c.head_size, kq.data(), vq.data(), qdt, ks.data(),
+                                     vs.data(), sl.data(), c.block_size, c.kv_heads, c.head_size, c.block_size);
+      }
+      // the float caches become the dequantized values (code value * scale, rounded to float)
+      for (size_t i = 0; i < kq.size(); ++i) {
+        d.kc.f[i] = (float)code_value(qdt, kq[i]) * ks[i / c.head_size];
+        d.vc.f[i] = (float)code_value(qdt, vq[i]) * vs[i / c.head_size];
+      }
+      const std::vector<float> want = naive_attention(c, d);
+      for (const KernelTable* kt : variants) {
+        Buf out((size_t)d.num_tokens * c.heads * c.head_size, kF32);
+        AttentionArgs a{};
+        a.query = d.q.data();
+        a.q_stride_token = (int64_t)c.heads * c.head_size;
+        a.q_stride_head = c.head_size;
+        a.q_dtype = kF32;
+        a.out = out.data();
+        a.o_stride_token = a.q_stride_token;
+        a.o_stride_head = a.q_stride_head;
+        a.key_cache = kq.data();
+        a.value_cache = vq.data();
+        a.kv_dtype = qdt;
+        a.k_scale = ks.data();
+        a.v_scale = vs.data();
+        a.block_table = d.bt.data();
+        a.block_table_stride = d.bt_stride;
+        a.seq_lens = d.seq_lens.data();
+        a.query_start_loc = d.qsl.data();
+        a.num_seqs = (int)c.seqs.size();
+        a.num_heads = c.heads;
+        a.num_kv_heads = c.kv_heads;
+        a.head_size = c.head_size;
+        a.block_size = c.block_size;
+        a.scale = 1.f / std::sqrt((float)c.head_size);
+        a.sliding_window = c.window;
+        a.logits_soft_cap = c.soft_cap;
+        kt->paged_attention(a);
+        double err;
+        std::string what = describe(c);
+        what.replace(what.find(" kv:f32"), 7, std::string(" kv:") + qname(qdt));
+        // every variant, generic included, against the naive double attention over the same values
+        const bool ok = close_enough(out.f, want, 2e-5, 2e-5, &err);
+        report(ok, kt->name, what + " vs naive", err);
+      }
+    }
+}
+
 std::vector<std::string> split(const char* s) {
   std::vector<std::string> out;
   std::string cur;
@@ -720,6 +890,7 @@ int main(int argc, char** argv) {
   check_sgemm(variants);
   check_gemm_grid(variants);
   check_argmax(variants);
+  check_kv_quant(variants);
   std::printf("checks: %d, failures: %d\nRESULT: %s\n", g_checks, g_failures, g_failures ? "FAIL" : "OK");
   return g_failures ? 1 : 0;
 }

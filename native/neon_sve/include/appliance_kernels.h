@@ -15,6 +15,11 @@
 namespace appliance_kernels {
 
 enum DType : int { kF32 = 0, kBF16 = 1 };
+// KV cache storage types beyond kF32/kBF16 (--kv-cache-dtype): one byte per element, each token's
+// head row with its own float32 scale (AttentionArgs::k_scale); an element's value is code * scale.
+enum KvQuantDType : int { kI8 = 2, kFP8E4M3 = 3, kFP8E5M2 = 4 };
+// Largest magnitude each quantized type stores: the absmax of a token's head row maps to it.
+constexpr float kI8Max = 127.f, kFP8E4M3Max = 448.f, kFP8E5M2Max = 57344.f;
 
 struct AttentionArgs {
   const void* query;        // [num_tokens, num_heads, head_size], rows strided below
@@ -44,6 +49,11 @@ struct AttentionArgs {
   // 0: off. c > 0: scores (after * scale) become c * tanh(scores / c) before the mask and
   // softmax (Gemma 2's attn_logit_softcapping).
   float logits_soft_cap;
+  // kv_dtype kI8 / kFP8E4M3 / kFP8E5M2 only (null otherwise): float32 [num_blocks, num_kv_heads,
+  // block_size], the scale of each cached token's head row (the caches' own paged layout minus
+  // head_size); a cached element's value is its code's value times the scale.
+  const float* k_scale;
+  const float* v_scale;
 };
 
 // W8A8 GEMM with group-wise weight scales (gemm_w8g_a8). Weights are prepacked once
@@ -123,6 +133,16 @@ struct KernelTable {
   // then one rounding to out_dtype.
   void (*gemm_bf16)(const void* x, int x_dtype, int64_t M, int64_t K, const uint16_t* wp, int64_t N,
                     const float* bias, void* out, int out_dtype);
+  // reshape_and_cache into a quantized cache (cache_dtype kI8 / kFP8E4M3 / kFP8E5M2, one byte per
+  // element): per token and KV head, scale = absmax(row) / kMax (1 for an all-zero row) goes to
+  // k_scale / v_scale [num_blocks, num_kv_heads, block_size], the codes of clamp(x / scale, -kMax,
+  // kMax) (int8: round half to even; fp8: round to nearest even, torch's float8 conversion) to the
+  // cache. Bit for bit appliance/ops/reference.py's quantize_kv.
+  void (*reshape_and_cache_quant)(const void* key, const void* value, int in_dtype, int64_t k_stride_token,
+                                  int64_t k_stride_head, int64_t v_stride_token, int64_t v_stride_head,
+                                  void* key_cache, void* value_cache, int cache_dtype, float* k_scale,
+                                  float* v_scale, const int64_t* slot_mapping, int64_t num_tokens,
+                                  int num_kv_heads, int head_size, int block_size);
 };
 
 // Output columns per prepacked panel of gemm_f32 (the layout is the same for every variant).

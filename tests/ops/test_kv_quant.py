@@ -1,0 +1,240 @@
+"""Quantized KV cache (--kv-cache-dtype int8 | fp8_e4m3 | fp8_e5m2): the write (codes + per-row
+float32 scales) and paged attention over such caches, reference and every native variant.
+
+Oracles and tolerances:
+  * codes: exactly the nearest code (exhaustive search over the format's finite codes in float64,
+    ties to the even code) of the float32 quotient ``clamp(x / scale)``; scales exactly
+    ``float32(absmax / max)`` (1 where that is 0: an all-zero row, or an underflow); and the dequantized value within half a code
+    step of x (float64), the worst case of round-to-nearest;
+  * native writes: bit for bit the reference's (codes and scales), every variant;
+  * native attention over a quantized cache vs the reference over the same cache (which dequantizes
+    it as ``codes * scale`` in float32 and runs the float path): 2e-5 + 2e-5*|ref|, as the float
+    caches' tolerance in test_attention.py (same values, another summation order, polynomial exp).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from appliance.ops import native, reference
+
+QDTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+IDS = ["int8", "fp8_e4m3", "fp8_e5m2"]
+
+
+def code_table(dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every finite code of the format (as its storage bytes) and its value in float64, from the
+    format's definition (sign, exponent, mantissa), not from torch's conversion."""
+    codes, vals = [], []
+    for b in range(256):
+        if dtype == torch.int8:
+            codes.append(b)
+            vals.append(float(b - 256 if b > 127 else b))
+            continue
+        mb, bias = (3, 7) if dtype == torch.float8_e4m3fn else (2, 15)
+        m = b & 0x7F
+        e, f = m >> mb, m & ((1 << mb) - 1)
+        if (dtype == torch.float8_e4m3fn and m == 0x7F) or (dtype == torch.float8_e5m2 and e == 31):
+            continue  # NaN / inf
+        v = math.ldexp(f, 1 - bias - mb) if e == 0 else math.ldexp((1 << mb) + f, e - bias - mb)
+        codes.append(b)
+        vals.append(-v if b & 0x80 else v)
+    return torch.tensor(codes, dtype=torch.int64), torch.tensor(vals, dtype=torch.float64)
+
+
+def nearest_codes(y: torch.Tensor, dtype) -> torch.Tensor:
+    """The oracle: the storage byte of the code nearest to each float32 y (ties: even code; a zero
+    keeps y's sign)."""
+    codes, vals = code_table(dtype)
+    yd = y.double().reshape(-1, 1)
+    err = (vals[None, :] - yd).abs()
+    best = err.min(dim=1, keepdim=True).values
+    cand = err == best
+    even = (codes % 2 == 0)[None, :]
+    neg = (codes >= 128)[None, :]
+    # among the tied candidates prefer the even code, then the zero of y's sign
+    score = cand.long() * 4 + (cand & even).long() * 2 + (cand & (neg == torch.signbit(yd))).long()
+    return codes[score.argmax(dim=1)].reshape(y.shape)
+
+
+def worst_case_rows(head_size: int, seed: int = 0) -> torch.Tensor:
+    """[8, 2, head_size] float32 K (or V) rows: all zero, huge (1e36), at and over e4m3's 448 and at
+    the 464 tie, float32 subnormals, tiny values beside a large one (codes flush to 0 or land on
+    subnormal codes), negatives only, ordinary normals."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, 2, head_size, generator=g)
+    x[0, 0] = 0.0
+    x[0, 1] *= 1e36
+    x[1, 0, :4] = torch.tensor([448.0, -500.0, 464.0, 300.0])
+    x[1, 1] *= 1e-40  # subnormal floats
+    x[2, 0] *= 1e-3
+    x[2, 0, 0] = 1e4
+    x[2, 1] = -x[2, 1].abs()
+    x[3, 0] = 0.0
+    x[3, 0, 5] = -2.0 ** -140  # one subnormal entry in an otherwise zero row
+    return x
+
+
+@pytest.mark.parametrize("dtype", QDTYPES, ids=IDS)
+@pytest.mark.parametrize("head_size", [16, 64])
+def test_quantize_kv_against_float64_oracle(dtype, head_size):
+    x = torch.cat([worst_case_rows(head_size), 5 * torch.randn(64, 2, head_size)])
+    codes, scale = reference.quantize_kv(x, dtype)
+    qmax = reference.KV_QUANT_MAX[dtype]
+    amax = x.abs().amax(-1)
+    want_scale = amax / torch.tensor(qmax)
+    # 1 where the row is all zero, or its absmax so small that absmax / max underflows to 0 (row [3, 0])
+    want_scale = torch.where(want_scale > 0, want_scale, torch.ones_like(want_scale))
+    assert scale.dtype == torch.float32
+    assert torch.equal(scale, want_scale)
+    y = (x / want_scale[..., None]).clamp(-qmax, qmax)
+    assert torch.equal(codes.view(torch.uint8).long(), nearest_codes(y, dtype))
+    # every dequantized value within half a code step of x (float64), the bound of rounding to nearest
+    _, vals = code_table(dtype)
+    vals = vals.sort().values
+    deq = reference.dequantize_kv(codes, scale).double()
+    q = (x.double() / scale.double()[..., None]).clamp(-qmax, qmax)
+    idx = torch.searchsorted(vals, q.reshape(-1)).clamp(1, len(vals) - 1)
+    step = (vals[idx] - vals[idx - 1]).reshape(q.shape)
+    err = (deq - x.double()).abs()
+    bound = 0.5 * step * scale.double()[..., None] * (1 + 1e-6) + 1e-300
+    inside = x.double().abs() <= qmax * scale.double()[..., None] * (1 + 1e-6)
+    assert bool((err <= bound)[inside].all()), float((err - bound)[inside].max())
+    # an all-zero row stays zero with scale 1
+    assert torch.equal(deq[0, 0], torch.zeros(head_size, dtype=torch.float64)) and scale[0, 0] == 1
+
+
+@pytest.mark.parametrize("dtype", QDTYPES, ids=IDS)
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+def test_native_write_bit_exact(variant, dtype, in_dtype):
+    head_size, block_size, num_blocks = 64, 5, 9
+    k = worst_case_rows(head_size, 1).to(in_dtype)
+    v = (-0.5 * worst_case_rows(head_size, 2)).to(in_dtype)
+    slots = torch.tensor([3, 19, 0, -1, 7, 44, 5, 18])
+    shape = reference.kv_cache_shape(num_blocks, block_size, 2, head_size)
+    sshape = reference.kv_scale_shape(num_blocks, block_size, 2)
+    caches = []
+    for op in (reference, native):
+        kc = torch.full(shape, 7, dtype=torch.uint8).view(dtype)
+        vc = torch.full(shape, 7, dtype=torch.uint8).view(dtype)
+        ks, vs = torch.full(sshape, -3.0), torch.full(sshape, -3.0)
+        op.reshape_and_cache(k, v, kc, vc, slots, k_scale=ks, v_scale=vs)
+        caches.append([t.view(torch.uint8) if t.dtype == dtype else t for t in (kc, vc, ks, vs)])
+    for r, n in zip(*caches):
+        assert torch.equal(r, n)
+    # the written slots hold exactly quantize_kv's codes and scales
+    kq, ksc = reference.quantize_kv(k, dtype)
+    blk, off = slots[slots >= 0] // block_size, slots[slots >= 0] % block_size
+    assert torch.equal(caches[1][0].view(dtype)[blk, :, off].view(torch.uint8), kq[slots >= 0].view(torch.uint8))
+    assert torch.equal(caches[1][2][blk, :, off], ksc[slots >= 0])
+
+
+def quantized_case(seqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0, q_dtype=torch.float32):
+    """Scattered blocks as test_attention.make_case, the context written through the reference
+    writer (so codes and scales are as the engine stores them), garbage codes with scale 1 elsewhere."""
+    g = torch.Generator().manual_seed(seed)
+    nbs = [(ctx + block_size - 1) // block_size for _, ctx in seqs]
+    num_blocks = sum(nbs) + 7
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    block_table = torch.full((len(seqs), max(nbs) + 2), -1, dtype=torch.int32)
+    shape = reference.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+    sshape = reference.kv_scale_shape(num_blocks, block_size, num_kv_heads)
+    kc = torch.full(shape, 37.0).to(dtype)  # garbage: large values wherever no context lives
+    vc = torch.full(shape, -53.0).to(dtype)
+    ks, vs = torch.ones(sshape), torch.ones(sshape)
+    slots = []
+    i = 0
+    for s, (_, ctx) in enumerate(seqs):
+        ids = perm[i:i + nbs[s]]
+        i += nbs[s]
+        block_table[s, :nbs[s]] = torch.tensor(ids, dtype=torch.int32)
+        slots += [ids[t // block_size] * block_size + t % block_size for t in range(ctx)]
+    n = len(slots)
+    k = torch.randn(n, num_kv_heads, head_size, generator=g) * (1 + 3 * torch.rand(n, num_kv_heads, 1, generator=g))
+    v = torch.randn(n, num_kv_heads, head_size, generator=g)
+    reference.reshape_and_cache(k, v, kc, vc, torch.tensor(slots), k_scale=ks, v_scale=vs)  # (float caches: unused)
+    q_lens = [q for q, _ in seqs]
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    query = (torch.randn(int(qsl[-1]), num_heads, head_size, generator=g) * 1.5).to(q_dtype)
+    seq_lens = torch.tensor([c for _, c in seqs], dtype=torch.int32)
+    return query, kc, vc, ks, vs, block_table, seq_lens, qsl
+
+
+# Max abs error of attention over a quantized cache vs the float32 cache on quantized_case's random data
+# (queries 1.5 * N(0, 1), keys up to 4x: sharp softmaxes, outputs up to ~4.6), measured over seeds 5-7:
+# int8 0.09-0.16, fp8_e4m3 0.42-0.49, fp8_e5m2 0.82-1.25. Bounds: about 2x the largest.
+ATTN_ERROR_BOUNDS = {torch.int8: 0.3, torch.float8_e4m3fn: 1.0, torch.float8_e5m2: 2.5}
+DECODE = [(1, 1), (1, 17), (1, 100), (1, 700), (1, 1100)]
+CHUNKED = [(1, 45), (20, 20), (37, 200), (1, 530), (64, 600), (3, 90)]
+
+
+@pytest.mark.parametrize("dtype", QDTYPES, ids=IDS)
+@pytest.mark.parametrize("seqs,num_heads,num_kv_heads,head_size,block_size,window,soft_cap", [
+    (DECODE, 8, 2, 64, 16, 0, 0.0),
+    (DECODE, 14, 2, 128, 16, 0, 0.0),
+    (CHUNKED, 8, 2, 64, 16, 0, 0.0),
+    (CHUNKED, 4, 4, 48, 7, 0, 0.0),
+    (DECODE, 8, 2, 64, 16, 40, 0.0),
+    (CHUNKED, 8, 2, 64, 7, 13, 5.0),
+    (DECODE, 4, 1, 64, 5, 0, 30.0),
+], ids=["decode", "decode-d128-g7", "chunked", "chunked-mha-bs7", "decode-window", "chunked-window-cap",
+        "decode-mqa-cap"])
+def test_native_attention_equals_reference(variant, dtype, seqs, num_heads, num_kv_heads, head_size,
+                                           block_size, window, soft_cap):
+    q, kc, vc, ks, vs, bt, sl, qsl = quantized_case(seqs, num_heads, num_kv_heads, head_size, block_size, dtype)
+    scale = reference.softmax_scale(head_size)
+    ref = reference.paged_attention(q, kc, vc, bt, sl, qsl, scale, sliding_window=window, logits_soft_cap=soft_cap,
+                                    k_scale=ks, v_scale=vs)
+    # the reference reads the quantized cache as its dequantized float values
+    dense = reference.paged_attention(q, reference.dequantize_kv(kc, ks), reference.dequantize_kv(vc, vs), bt, sl,
+                                      qsl, scale, sliding_window=window, logits_soft_cap=soft_cap)
+    torch.testing.assert_close(ref, dense, atol=0, rtol=0)
+    out = native.paged_attention(q, kc, vc, bt, sl, qsl, scale, sliding_window=window, logits_soft_cap=soft_cap,
+                                 k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", QDTYPES, ids=IDS)
+def test_native_attention_bf16_query(variant, dtype):
+    # bf16 activations over a quantized cache: the output rounds to bf16 (one ulp: 2e-2 as test_attention)
+    q, kc, vc, ks, vs, bt, sl, qsl = quantized_case(CHUNKED, 8, 2, 64, 16, dtype, seed=3, q_dtype=torch.bfloat16)
+    scale = reference.softmax_scale(64)
+    ref = reference.paged_attention(q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs).float()
+    out = native.paged_attention(q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_quantized_attention_close_to_float_cache():
+    # What quantizing costs on random data (a check of the scheme, not of a kernel): attention outputs
+    # over int8 / fp8 caches against the same K/V in a float32 cache. Measured max abs errors on outputs
+    # as ATTN_ERROR_BOUNDS says; more mantissa bits, less error (int8 < e4m3 < e5m2).
+    errs = []
+    for dtype, bound in ATTN_ERROR_BOUNDS.items():
+        q, kc, vc, ks, vs, bt, sl, qsl = quantized_case(CHUNKED, 8, 2, 64, 16, dtype, seed=5)
+        _, kf, vf, _, _, _, _, _ = quantized_case(CHUNKED, 8, 2, 64, 16, torch.float32, seed=5)
+        scale = reference.softmax_scale(64)
+        out = reference.paged_attention(q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs)
+        want = reference.paged_attention(q, kf, vf, bt, sl, qsl, scale)
+        err = float((out - want).abs().max())
+        assert err <= bound, (dtype, err)
+        assert err > bound / 50, (dtype, err)  # the cache really is quantized
+        errs.append(err)
+    assert errs == sorted(errs), errs
+
+
+def test_missing_scales_refused():
+    shape = reference.kv_cache_shape(2, 4, 1, 16)
+    kc = torch.zeros(shape, dtype=torch.int8)
+    with pytest.raises(ValueError, match="k_scale"):
+        reference.reshape_and_cache(torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), kc, kc.clone(), torch.tensor([0]))
+
+
+def test_kv_cache_torch_dtype_names():
+    assert reference.kv_cache_torch_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert reference.kv_cache_torch_dtype("fp8", torch.float32) == torch.float8_e4m3fn
+    assert reference.kv_cache_torch_dtype("fp8_e5m2", torch.float32) == torch.float8_e5m2
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of .*int8.*'fp4'"):
+        reference.kv_cache_torch_dtype("fp4", torch.float32)
