@@ -66,6 +66,8 @@ class EngineConfig:
     # --pooler-config: {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": bool} (a dict or its JSON text);
     # unset fields come from the checkpoint (appliance.layers.pooler.resolve_pooler_config)
     pooler_config: dict | str | None = None
+    # --tensor-parallel-size / -tp (vLLM's name): ranks the model is sharded over (appliance.distributed)
+    tensor_parallel_size: int = 1
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -115,6 +117,13 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidRequestError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}", "gpu_memory_utilization")
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1:
+            cpus = len(os.sched_getaffinity(0))
+            if self.tensor_parallel_size > cpus:
+                raise InvalidRequestError(
+                    f"tensor_parallel_size must be at most the {cpus} CPUs available to this process (one rank "
+                    f"needs at least one), got {self.tensor_parallel_size}", "tensor_parallel_size")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise InvalidRequestError(
                 f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}", "kv_cache_memory"
