@@ -78,6 +78,9 @@ def serve(
         help="While decodes run, cap each step's new prefill tokens so the step stays within this latency: "
              "auto (2.5x the measured decode-only step; serve's default) | off | milliseconds.")] = None,
     num_threads: Annotated[Optional[int], Opt(help="Threads of the engine process (default: torch's).")] = None,
+    tensor_parallel_size: Annotated[Optional[int], Opt(
+        "--tensor-parallel-size", "-tp",
+        help="Ranks the model is sharded over (processes on this host, the CPUs split between them; default 1).")] = None,
     allocator: Annotated[Optional[str], Opt(
         help="malloc of the engine process: mimalloc (LD_PRELOAD) | glibc-tuned | system.")] = None,
     omp_threads_bind: Annotated[Optional[str], Opt(
@@ -170,6 +173,7 @@ def serve(
         num_threads=a.num_threads, seed=a.seed, allocator=a.allocator,
         omp_threads_bind=a.omp_threads_bind, runner=a.runner, pooler_config=a.pooler_config,
         device=a.device, gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
+        tensor_parallel_size=a.tensor_parallel_size,
     )
     try:
         engine_kwargs.update(vllm_compat.vllm_env_engine_kwargs(engine_kwargs))
@@ -231,6 +235,8 @@ def generate(
     quantization: Annotated[Optional[str], typer.Option(help="Quantize at load: none | w8a8 | w4a8; gguf: a GGUF's projections as the file stores them.")] = None,
     quant_group_size: Annotated[Optional[int], typer.Option(help="W4 group size.")] = None,
     num_threads: Annotated[Optional[int], typer.Option(help="Threads for the model.")] = None,
+    tensor_parallel_size: Annotated[Optional[int], typer.Option(
+        "--tensor-parallel-size", "-tp", help="Ranks the model is sharded over (default 1).")] = None,
 ):
     """Generate from one prompt with the offline engine, streaming to the terminal."""
     from appliance.config import EngineConfig
@@ -240,7 +246,8 @@ def generate(
 
     engine_kwargs = dict(model=model, dtype=dtype, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                          block_size=block_size, attention_backend=attention_backend, linear_backend=linear_backend,
-                         quantization=quantization, quant_group_size=quant_group_size, num_threads=num_threads)
+                         quantization=quantization, quant_group_size=quant_group_size, num_threads=num_threads,
+                         tensor_parallel_size=tensor_parallel_size)
     try:
         config = EngineConfig.from_kwargs(**{k: v for k, v in engine_kwargs.items() if v is not None or k == "model"})
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,

@@ -68,7 +68,7 @@ def rank_placements(config) -> list:
     from appliance.runtime import threads
 
     n = config.tensor_parallel_size
-    allowed = sorted(os.sched_getaffinity(0))
+    allowed = allowed_cpus()
     spec = config.omp_threads_bind or "auto"
     if "|" in spec:
         lists = spec.split("|")
@@ -82,6 +82,17 @@ def rank_placements(config) -> list:
                                   f"process ({threads.format_cpu_list(allowed)})", "tensor_parallel_size")
     return [threads.resolve(threads.format_cpu_list(allowed[r * per:(r + 1) * per]), config.num_threads)
             for r in range(n)]
+
+
+def allowed_cpus() -> list[int]:
+    """The CPUs this engine process may use: its ``OMP_PLACES`` when it was started with one (the
+    server's engine process: libgomp has bound this thread to the first place by now, so the
+    affinity mask shows one CPU), else its affinity mask."""
+    import re
+
+    places = os.environ.get("OMP_PLACES", "")
+    cpus = [int(c) for c in re.findall(r"\{(\d+)\}", places)]
+    return sorted(set(cpus)) if cpus else sorted(os.sched_getaffinity(0))
 
 
 def kv_blocks(config, info, dtype: torch.dtype) -> int:
