@@ -119,7 +119,9 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}", "gpu_memory_utilization")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.tensor_parallel_size > 1:
-            cpus = len(os.sched_getaffinity(0))
+            from appliance.runtime.threads import engine_cpus
+
+            cpus = len(engine_cpus())
             if self.tensor_parallel_size > cpus:
                 raise InvalidRequestError(
                     f"tensor_parallel_size must be at most the {cpus} CPUs available to this process (one rank "

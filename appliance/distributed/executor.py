@@ -68,31 +68,20 @@ def rank_placements(config) -> list:
     from appliance.runtime import threads
 
     n = config.tensor_parallel_size
-    allowed = allowed_cpus()
+    allowed = threads.engine_cpus()
     spec = config.omp_threads_bind or "auto"
     if "|" in spec:
         lists = spec.split("|")
         if len(lists) != n:
             raise InvalidRequestError(f"omp_threads_bind={spec!r} gives {len(lists)} CPU lists; "
                                       f"tensor_parallel_size={n} needs one per rank", "omp_threads_bind")
-        return [threads.resolve(s, config.num_threads) for s in lists]
+        return [threads.resolve(s, config.num_threads, allowed=set(allowed)) for s in lists]
     per = len(allowed) // n
     if per < 1:
         raise InvalidRequestError(f"tensor_parallel_size={n} exceeds the {len(allowed)} CPUs available to this "
                                   f"process ({threads.format_cpu_list(allowed)})", "tensor_parallel_size")
-    return [threads.resolve(threads.format_cpu_list(allowed[r * per:(r + 1) * per]), config.num_threads)
-            for r in range(n)]
-
-
-def allowed_cpus() -> list[int]:
-    """The CPUs this engine process may use: its ``OMP_PLACES`` when it was started with one (the
-    server's engine process: libgomp has bound this thread to the first place by now, so the
-    affinity mask shows one CPU), else its affinity mask."""
-    import re
-
-    places = os.environ.get("OMP_PLACES", "")
-    cpus = [int(c) for c in re.findall(r"\{(\d+)\}", places)]
-    return sorted(set(cpus)) if cpus else sorted(os.sched_getaffinity(0))
+    return [threads.resolve(threads.format_cpu_list(allowed[r * per:(r + 1) * per]), config.num_threads,
+                            allowed=set(allowed)) for r in range(n)]
 
 
 def kv_blocks(config, info, dtype: torch.dtype) -> int:
@@ -164,8 +153,8 @@ def decode_schedule(reqs, num_batched_tokens):
 
 # ------------------------------------------------------------------ the worker process
 
-def _worker_main(rank: int, world_size: int, port: int, config, info, dtype, max_model_len: int,
-                 pooler_config, conn, placement, communicator: str) -> None:
+def worker_main(rank: int, conn, world_size: int, port: int, config, info, dtype, max_model_len: int,
+                pooler_config, placement, communicator: str) -> None:
     """Ranks 1..N-1: join the group, build this rank's runner, then run every step rank 0 sends
     until told to stop or rank 0's end of the pipe closes."""
     try:
@@ -221,6 +210,7 @@ class TPExecutor:
 
     def __init__(self, config, info, dtype: torch.dtype, max_model_len: int, device: torch.device,
                  pooler_config=None):
+        from appliance.distributed import rank_worker
         from appliance.distributed.communicator import communicator_names, make_communicator
         from appliance.distributed.parallel_state import TPGroup, gloo_group, new_store, tp_group_scope
         from appliance.engine.model_runner import ModelRunner
@@ -248,9 +238,10 @@ class TPExecutor:
         try:
             for r in range(1, n):
                 here, there = ctx.Pipe()
-                p = ctx.Process(target=_worker_main, name=f"appliance-tp-rank{r}", daemon=True,
-                                args=(r, n, store.port, config, info, dtype, max_model_len, pooler_config,
-                                      there, placements[r], self.communicator))
+                payload = pickle.dumps((n, store.port, config, info, dtype, max_model_len, pooler_config,
+                                        placements[r], self.communicator))
+                p = ctx.Process(target=rank_worker.main, name=f"appliance-tp-rank{r}", daemon=True,
+                                args=(r, placements[r].cpus, payload, there))
                 with child_environ(worker_env(config.allocator, placement=placements[r])):
                     p.start()
                 there.close()

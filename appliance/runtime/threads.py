@@ -209,3 +209,13 @@ def thread_affinities(pid: int | str = "self") -> dict[int, str]:
             if line.startswith("Cpus_allowed_list:"):
                 out[int(t.name)] = line.split(":", 1)[1].strip()
     return out
+
+
+def engine_cpus() -> list[int]:
+    """The CPUs this engine process may use: its ``OMP_PLACES`` when it was started with one (the
+    server's engine process: libgomp has bound the main thread to the first place once torch
+    loaded, so the affinity mask shows one CPU), else its affinity mask."""
+    import re
+
+    cpus = [int(c) for c in re.findall(r"\{(\d+)\}", os.environ.get("OMP_PLACES", ""))]
+    return sorted(set(cpus)) if cpus else sorted(os.sched_getaffinity(0))
