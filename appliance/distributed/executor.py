@@ -7,9 +7,10 @@ schedule to the workers as plain ints (per request: first position, token count,
 block ids, its length), then every rank runs the same forward (the sharded layers meet in their
 all-reduces and in the logits gather) and rank 0 samples.
 
-The schedule goes over one pipe per worker, pickled once: a pipe message costs tens of
-microseconds here, a gloo ``broadcast_object`` two collectives (size, then bytes) of about a
-millisecond each (measured on loopback; see the module's test).
+The schedule goes over one pipe per worker, pickled once. ``bench/bench_tp_message.py`` (2 ranks,
+loopback, this shared 2-core host under load from other jobs, so noisy): a pipe round trip took
+0.15-0.6 ms for 1-16 decode requests and 3.9 ms for 256, gloo's ``broadcast_object`` plus a
+barrier 6-15 ms (two collectives for the object: its size, then its bytes).
 
 Workers are spawned (never forked: this process holds torch threads), each pinned with
 ``runtime.worker.worker_startup`` to its share of the CPUs. They exit when rank 0 does (their
