@@ -45,22 +45,20 @@ class TensorParallelError(ApplianceError):
     """A tensor-parallel rank failed (died, raised, or never started); the engine cannot continue."""
 
 
-def check_tensor_parallel(config, info) -> None:
+def check_tensor_parallel(config, info, device: torch.device) -> None:
     """Refuse, before anything starts, a tensor-parallel size this model or device cannot run."""
-    from appliance.models.llama import LlamaConfig, check_tp_sizes
-    from appliance.models.registry import _REGISTRY
+    from appliance.models.llama import check_tp_sizes
+    from appliance.models.registry import family_config, tensor_parallel_architectures
 
     n = config.tensor_parallel_size
-    family = _REGISTRY.get(info.architecture)
-    if not getattr(family, "supports_tensor_parallel", False):
-        supported = sorted(a for a, m in _REGISTRY.items() if getattr(m, "supports_tensor_parallel", False))
+    supported = tensor_parallel_architectures()
+    if info.architecture not in supported:
         raise ModelLoadError(f"tensor_parallel_size={n}: architecture {info.architecture} does not shard yet; "
                              f"tensor parallelism supports {', '.join(supported)} (use tensor_parallel_size=1)")
-    if config.device != "cpu":
-        raise InvalidRequestError(f"tensor_parallel_size={n} runs on the CPU (device=cpu); got device={config.device}",
-                                  "tensor_parallel_size")
-    family_spec = family.ARCHS[info.architecture]
-    check_tp_sizes(LlamaConfig.from_hf(info.hf_config, family_spec), n)
+    if device.type != "cpu":
+        raise InvalidRequestError(f"tensor_parallel_size={n} runs on the CPU (device=cpu); this engine's device is "
+                                  f"{device.type} (device={config.device})", "tensor_parallel_size")
+    check_tp_sizes(family_config(info.architecture, info.hf_config), n)
 
 
 def rank_placements(config) -> list:
@@ -218,7 +216,7 @@ class TPExecutor:
         from appliance.runtime.worker import child_environ, worker_env
 
         n = config.tensor_parallel_size
-        check_tensor_parallel(config, info)
+        check_tensor_parallel(config, info, device)
         placements = rank_placements(config)
         config = config.replace(num_kv_blocks=kv_blocks(config, info, dtype))
         # shared memory within the host when registered (appliance.distributed.shm_allreduce), else gloo
