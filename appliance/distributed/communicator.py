@@ -99,11 +99,25 @@ def register_communicator(name: str, factory: Callable[..., Communicator]) -> No
 
 
 def communicator_names() -> tuple[str, ...]:
+    """The registered communicators, after importing the optional ones (each registers itself on
+    import: ``shm_allreduce`` where it exists)."""
+    import importlib
+
+    for module in _OPTIONAL:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
     return tuple(_REGISTRY)
+
+
+_OPTIONAL = ("appliance.distributed.shm_allreduce",)
 
 
 def make_communicator(name: str, group, rank: int, world_size: int) -> Communicator:
     factory = _REGISTRY.get(name)
+    if factory is None and name in communicator_names():
+        factory = _REGISTRY[name]
     if factory is None:
         raise ValueError(f"communicator must be one of {', '.join(_REGISTRY)}; got {name!r}")
     return factory(group, rank, world_size)
