@@ -15,7 +15,7 @@ from appliance.errors import InvalidRequestError
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "native", "reference", "cuda")
 DEVICES = ("auto", "cpu", "cuda")  # auto: cuda when torch.cuda.is_available() (appliance/engine/device.py)
-LINEAR_BACKENDS = ("auto", "torch", "onednn", "native",  # float; then quantized (appliance/layers/quant.py)
+LINEAR_BACKENDS = ("auto", "torch", "onednn", "native", "native_bf16",  # float; then quantized (appliance/layers/quant.py)
                    "w8a8_onednn", "w8a8_native", "w8a16_int8pack", "w4a8_dynquant", "w4a16_int4pack")
 # "gguf": a GGUF's projections as the file stores them (vLLM's name), each in its type's scheme
 QUANTIZATIONS = ("none", "w8a8", "w4a8", "gguf")
@@ -126,6 +126,14 @@ class EngineConfig:
                 raise InvalidRequestError(
                     f"tensor_parallel_size must be at most the {cpus} CPUs available to this process (one rank "
                     f"needs at least one), got {self.tensor_parallel_size}", "tensor_parallel_size")
+        from appliance.errors import ApplianceError
+        from appliance.runtime.threads import check_rank_lists
+
+        try:  # the tensor/data parallel sizes (1 until those fields exist) decide how many lists
+            check_rank_lists(self.omp_threads_bind, getattr(self, "tensor_parallel_size", 1)
+                             * getattr(self, "data_parallel_size", 1), "omp_threads_bind")
+        except ApplianceError as e:
+            raise InvalidRequestError(str(e), "omp_threads_bind") from None
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise InvalidRequestError(
                 f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}", "kv_cache_memory"

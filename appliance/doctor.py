@@ -64,6 +64,10 @@ SCHEMA: dict = _obj({
                  "recommended": _obj({"spec": _S, "num_threads": _I, "cpus": _opt({"type": "array", "items": _I}),
                                       "env": {"type": "object", "additionalProperties": _S},
                                       "warnings": {"type": "array", "items": _S}})}),
+    "ranks": _obj({"numa_nodes": _I, "memory_binding": _S, "error": _opt(_S),
+                   "auto_2_ranks": _opt({"type": "array", "items": _obj({
+                       "rank": _I, "num_threads": _I, "cpus": _opt({"type": "array", "items": _I}),
+                       "numa_node": _opt(_I), "bind_memory": _B})})}),
     "problems": {"type": "array", "items": _obj({"severity": {"type": "string", "enum": list(SEVERITIES)},
                                                  "what": _S, "fix": _S})},
 })
@@ -276,9 +280,12 @@ def _linear_backends() -> dict:
         return {"error": {"dtype": "", "available": False, "reason": f"{type(e).__name__}: {e}"}}
     out = {}
     for name in LINEAR_BACKENDS[1:]:
-        for dtype in ((torch.float32, torch.bfloat16) if name in ("torch", "onednn", "native") else (torch.float32,)):
+        # native_bf16 runs bfloat16 layers only: reported under its own name with that dtype
+        dtypes = ((torch.float32, torch.bfloat16) if name in ("torch", "onednn", "native")
+                  else (torch.bfloat16,) if name == "native_bf16" else (torch.float32,))
+        for dtype in dtypes:
             why = host_problem(name, dtype, torch.device("cpu"))
-            key = name if dtype == torch.float32 else f"{name}:bfloat16"
+            key = name if dtype == dtypes[0] else f"{name}:bfloat16"
             out[key] = {"dtype": str(dtype).removeprefix("torch."), "available": why is None, "reason": why}
     return out
 
@@ -306,6 +313,22 @@ def _omp() -> dict:
     return {"env": env, "recommended": {"spec": p.spec, "num_threads": p.num_threads,
                                         "cpus": list(p.cpus) if p.cpus else None,
                                         "env": threads.omp_env(p), "warnings": list(p.warnings)}}
+
+
+def _ranks() -> dict:
+    """What ``--omp-threads-bind auto`` would give 2 tensor/data parallel ranks on this host."""
+    from appliance.errors import ApplianceError
+    from appliance.runtime import threads
+
+    out = {"numa_nodes": len(threads.numa_nodes()), "memory_binding": threads.memory_binding_support(),
+           "error": None, "auto_2_ranks": None}
+    try:
+        out["auto_2_ranks"] = [{"rank": i, "num_threads": p.num_threads, "cpus": list(p.cpus) if p.cpus else None,
+                                "numa_node": p.numa_node, "bind_memory": p.bind_memory}
+                               for i, p in enumerate(threads.resolve_ranks("auto", 2))]
+    except ApplianceError as e:
+        out["error"] = str(e)
+    return out
 
 
 def _libgomp() -> dict:
@@ -382,7 +405,7 @@ def doctor_report() -> dict:
     """Everything ``appliance doctor`` knows, as a JSON-safe dict that validates against SCHEMA."""
     r = {"schema_version": 1, "cpu": _cpu(), "cores": _cores(), "memory": _memory(), "torch": _torch(),
          "kernels": _kernels(), "linear_backends": _linear_backends(), "allocator": _allocator(),
-         "libgomp": _libgomp(), "omp": _omp()}
+         "libgomp": _libgomp(), "omp": _omp(), "ranks": _ranks()}
     r["onednn"] = _onednn()
     r["problems"] = _problems(r)
     return r
@@ -440,6 +463,11 @@ def run_doctor(json: bool = False) -> int:
     tab.add_row("libgomp", gomp)
     tab.add_row("openmp", f"{rec['num_threads']} threads on CPUs {rec['cpus']}; env " +
                 " ".join(f"{k}={v}" for k, v in r["omp"]["env"].items() if v))
+    rk = r["ranks"]
+    tab.add_row("2 ranks (auto)", (rk["error"] or "; ".join(
+        f"rank {x['rank']}: CPUs {x['cpus']}" + (f" on node {x['numa_node']}" if x["numa_node"] is not None else "")
+        + (", memory bound" if x["bind_memory"] else "") for x in rk["auto_2_ranks"]))
+        + f"\n{rk['numa_nodes']} NUMA node(s); memory binding: {rk['memory_binding']}")
     con = Console()
     con.print(tab)
     if not r["problems"]:

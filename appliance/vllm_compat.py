@@ -147,9 +147,11 @@ def vllm_env_engine_kwargs(given: dict, environ=None) -> dict:
             out["kv_cache_memory"] = gib
     bind = env.get("VLLM_CPU_OMP_THREADS_BIND")
     if bind and unset("omp_threads_bind"):
-        if "|" in bind:
-            raise ApplianceError(f"VLLM_CPU_OMP_THREADS_BIND={bind!r}: '|' separates tensor-parallel ranks, and "
-                                 "the appliance runs one engine process; give one CPU list (e.g. 0-31)")
+        # '|' separates the ranks' lists: one per tensor x data parallel rank
+        from appliance.runtime import threads
+
+        ranks = (given.get("tensor_parallel_size") or 1) * (given.get("data_parallel_size") or 1)
+        threads.check_rank_lists(bind, ranks, "VLLM_CPU_OMP_THREADS_BIND")
         out["omp_threads_bind"] = bind
     reserved = env.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
     if reserved and unset("num_threads"):
@@ -167,7 +169,8 @@ def vllm_env_engine_kwargs(given: dict, environ=None) -> dict:
             if spec != "nobind":
                 # The engine binds one thread per core of its placement; the reserved cores are left
                 # out of it (the last ones), and the frontend runs there.
-                cores = len(threads.resolve(spec).cpus or ())
+                # One list per rank: every rank keeps its cores minus the reserved ones.
+                cores = min(len(threads.resolve(part).cpus or ()) for part in spec.split("|"))
                 if n >= cores:
                     raise ApplianceError(f"VLLM_CPU_NUM_OF_RESERVED_CPU={n} leaves no core for the engine "
                                          f"(its placement {spec!r} has {cores})")

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from appliance.layers.linear import _pack_onednn
+from appliance.layers.methods.floating import pack_onednn as _pack_onednn
 from appliance.ops import native
 
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536)}

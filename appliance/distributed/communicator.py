@@ -1,126 +1,104 @@
-"""Collective operations between the ranks of one tensor-parallel group.
+"""The collective operations tensor-parallel layers call, behind one interface, with a registry of
+implementations: ``"gloo"`` (torch.distributed on whatever group it is given) and ``"shm"``
+(appliance/distributed/shm_allreduce.py: a native shared-memory all-reduce within one host).
 
-``Communicator`` is the interface the sharded layers call (``appliance.layers.linear`` and
-``appliance.layers.vocab`` through ``parallel_state.TPGroup``); implementations are found by name
-through ``register_communicator`` / ``make_communicator``: "gloo" (here, on a torch.distributed
-gloo process group: portable, about a millisecond a call on loopback) and "shm" (a shared-memory
-all-reduce within one host, registered by ``appliance.distributed.shm_allreduce``).
+Every rank of a group makes its communicator with the same name, in the same order, after
+``torch.distributed.init_process_group``.
 """
 from __future__ import annotations
 
-from typing import Callable
+from abc import ABC, abstractmethod
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 
-class Communicator:
-    """Collectives over ``world_size`` ranks; this process is ``rank``. Every rank must make the same
-    calls in the same order with tensors of the same shape and dtype."""
+class Communicator(ABC):
+    """Collectives over one process group. ``rank`` and ``world_size`` are within the group."""
 
     rank: int
     world_size: int
 
+    @abstractmethod
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place; returns ``t``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's ``t`` concatenated along ``dim`` in rank order (a new tensor)."""
-        raise NotImplementedError
 
-    def broadcast_object(self, obj=None, src: int = 0):
-        """``src``'s picklable ``obj`` on every rank (the others pass anything; all get src's)."""
-        raise NotImplementedError
+    @abstractmethod
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        """``obj`` of rank ``src`` (picklable), returned on every rank."""
 
-    def barrier(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def barrier(self) -> None: ...
 
     def close(self) -> None:
-        """Release what the communicator holds (segments, sockets); the default holds nothing."""
+        """Release what the communicator holds (shared memory); collectives after this are an error."""
 
 
 class GlooCommunicator(Communicator):
-    """On a gloo process group (``torch.distributed.ProcessGroupGloo``, used directly rather than
-    through the default group so that one process can hold several engines, as tests do). The
-    group's timeout bounds every call: a rank that died shows as an error, never as a hang."""
+    """torch.distributed collectives on ``group`` (None: the default group)."""
 
-    def __init__(self, group, rank: int, world_size: int):
-        self.group, self.rank, self.world_size = group, rank, world_size
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int):
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
-        # gloo reduces contiguous tensors only; a non-contiguous view is reduced through a copy
-        buf = t if t.is_contiguous() else t.contiguous()
-        self.group.allreduce([buf]).wait()
-        if buf is not t:
-            t.copy_(buf)
+        if t.is_contiguous():
+            dist.all_reduce(t, group=self.group)
+        else:  # collectives need dense memory; reduce a copy and write it back
+            c = t.contiguous()
+            dist.all_reduce(c, group=self.group)
+            t.copy_(c)
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         t = t.contiguous()
-        outs = [torch.empty_like(t) for _ in range(self.world_size)]
-        self.group.allgather([outs], [t]).wait()
-        return torch.cat(outs, dim=dim)
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t, group=self.group)
+        return torch.cat(parts, dim=dim)
 
-    def broadcast_object(self, obj=None, src: int = 0):
-        import pickle
-
-        if self.rank == src:
-            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-            size = torch.tensor([data.numel()], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        self._broadcast(size, src)
-        if self.rank != src:
-            data = torch.empty(int(size.item()), dtype=torch.uint8)
-        self._broadcast(data, src)
-        return obj if self.rank == src else pickle.loads(data.numpy().tobytes())
-
-    def _broadcast(self, t: torch.Tensor, src: int) -> None:
-        import torch.distributed as dist
-
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        self.group.broadcast([t], opts).wait()
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=self._global_rank(src), group=self.group)
+        return box[0]
 
     def barrier(self) -> None:
-        self.group.barrier().wait()
+        dist.barrier(group=self.group)
+
+    def _global_rank(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
 
-# name -> factory(group, rank, world_size) -> Communicator
-_REGISTRY: dict[str, Callable[..., Communicator]] = {}
+_FACTORIES: dict[str, Callable[..., Communicator]] = {}
 
 
 def register_communicator(name: str, factory: Callable[..., Communicator]) -> None:
-    """Make ``make_communicator(name, ...)`` call ``factory(group, rank, world_size)``. ``group`` is
-    the ranks' gloo process group, which a factory may use to set itself up (exchange names, barriers)."""
-    if name in _REGISTRY and _REGISTRY[name] is not factory:
-        raise ValueError(f"communicator {name!r} is registered twice")
-    _REGISTRY[name] = factory
+    """``factory(group, rank, world_size)`` -> Communicator, made by ``make_communicator(name, ...)``."""
+    _FACTORIES[name] = factory
 
 
 def communicator_names() -> tuple[str, ...]:
-    """The registered communicators, after importing the optional ones (each registers itself on
-    import: ``shm_allreduce`` where it exists)."""
-    import importlib
-
-    for module in _OPTIONAL:
+    """The communicators that can be made here: the registered ones and "shm" when its module
+    imports (it registers itself on import)."""
+    if "shm" not in _FACTORIES:
         try:
-            importlib.import_module(module)
+            import appliance.distributed.shm_allreduce  # noqa: F401
         except ImportError:
             pass
-    return tuple(_REGISTRY)
+    return tuple(sorted(_FACTORIES))
 
 
-_OPTIONAL = ("appliance.distributed.shm_allreduce",)
-
-
-def make_communicator(name: str, group, rank: int, world_size: int) -> Communicator:
-    factory = _REGISTRY.get(name)
-    if factory is None and name in communicator_names():
-        factory = _REGISTRY[name]
-    if factory is None:
-        raise ValueError(f"communicator must be one of {', '.join(_REGISTRY)}; got {name!r}")
-    return factory(group, rank, world_size)
+def make_communicator(name: str, group: dist.ProcessGroup | None, rank: int, world_size: int) -> Communicator:
+    if name == "shm" and name not in _FACTORIES:
+        import appliance.distributed.shm_allreduce  # noqa: F401  (registers itself)
+    if name not in _FACTORIES:
+        raise ValueError(f"communicator {name!r} is not registered; registered: {', '.join(sorted(_FACTORIES))}")
+    return _FACTORIES[name](group, rank, world_size)
 
 
 register_communicator("gloo", GlooCommunicator)

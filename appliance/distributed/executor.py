@@ -62,25 +62,21 @@ def check_tensor_parallel(config, info, device: torch.device) -> None:
 
 
 def rank_placements(config) -> list:
-    """Each rank's CPUs (``runtime.threads.Placement``): ``omp_threads_bind`` "0-31|32-63" gives one
-    list per rank; otherwise the CPUs this process may use, split evenly in order."""
+    """Each rank's CPUs (``runtime.threads.Placement``), from ``omp_threads_bind`` by
+    ``threads.resolve_ranks``: "0-31|32-63" one list per rank, auto one rank per NUMA node (or the
+    physical cores split evenly), among the CPUs this engine process may use."""
+    from appliance.errors import ApplianceError
     from appliance.runtime import threads
 
     n = config.tensor_parallel_size
     allowed = threads.engine_cpus()
-    spec = config.omp_threads_bind or "auto"
-    if "|" in spec:
-        lists = spec.split("|")
-        if len(lists) != n:
-            raise InvalidRequestError(f"omp_threads_bind={spec!r} gives {len(lists)} CPU lists; "
-                                      f"tensor_parallel_size={n} needs one per rank", "omp_threads_bind")
-        return [threads.resolve(s, config.num_threads, allowed=set(allowed)) for s in lists]
-    per = len(allowed) // n
-    if per < 1:
+    if n > len(allowed):
         raise InvalidRequestError(f"tensor_parallel_size={n} exceeds the {len(allowed)} CPUs available to this "
                                   f"process ({threads.format_cpu_list(allowed)})", "tensor_parallel_size")
-    return [threads.resolve(threads.format_cpu_list(allowed[r * per:(r + 1) * per]), config.num_threads,
-                            allowed=set(allowed)) for r in range(n)]
+    try:
+        return threads.resolve_ranks(config.omp_threads_bind, n, config.num_threads, allowed=set(allowed))
+    except ApplianceError as e:
+        raise InvalidRequestError(str(e), "omp_threads_bind") from None
 
 
 def kv_blocks(config, info, dtype: torch.dtype) -> int:
@@ -153,7 +149,7 @@ def decode_schedule(reqs, num_batched_tokens):
 # ------------------------------------------------------------------ the worker process
 
 def worker_main(rank: int, conn, world_size: int, port: int, config, info, dtype, max_model_len: int,
-                pooler_config, placement, communicator: str) -> None:
+                pooler_config, placement, communicator: str, default_group: bool) -> None:
     """Ranks 1..N-1: join the group, build this rank's runner, then run every step rank 0 sends
     until told to stop or rank 0's end of the pipe closes."""
     try:
@@ -161,12 +157,12 @@ def worker_main(rank: int, conn, world_size: int, port: int, config, info, dtype
 
         worker_startup(placement)
         from appliance.distributed.communicator import make_communicator
-        from appliance.distributed.parallel_state import TPGroup, gloo_group, tp_group_scope
+        from appliance.distributed.parallel_state import TPGroup, join_group, tp_group_scope
         from appliance.engine.model_runner import ModelRunner
         from appliance.layers.forward_context import ForwardContext, set_forward_context
 
         conn.send(("hello", os.getpid()))
-        pg = gloo_group(rank, world_size, "127.0.0.1", port, COLLECTIVE_TIMEOUT_S)
+        pg = join_group(rank, world_size, port, COLLECTIVE_TIMEOUT_S, default_group)
         comm = make_communicator(communicator, pg, rank, world_size)
         with tp_group_scope(TPGroup(rank, world_size, comm)):
             runner = ModelRunner(config, info, dtype, max_model_len, torch.device("cpu"), pooler_config)
@@ -211,7 +207,7 @@ class TPExecutor:
                  pooler_config=None):
         from appliance.distributed import rank_worker
         from appliance.distributed.communicator import communicator_names, make_communicator
-        from appliance.distributed.parallel_state import TPGroup, gloo_group, new_store, tp_group_scope
+        from appliance.distributed.parallel_state import TPGroup, join_group, new_store, tp_group_scope
         from appliance.engine.model_runner import ModelRunner
         from appliance.runtime.worker import child_environ, worker_env
 
@@ -219,8 +215,14 @@ class TPExecutor:
         check_tensor_parallel(config, info, device)
         placements = rank_placements(config)
         config = config.replace(num_kv_blocks=kv_blocks(config, info, dtype))
-        # shared memory within the host when registered (appliance.distributed.shm_allreduce), else gloo
-        self.communicator = "shm" if "shm" in communicator_names() else "gloo"
+        import torch.distributed as dist
+
+        # The shared-memory all-reduce within the host (appliance.distributed.shm_allreduce) sets
+        # itself up through torch.distributed's default group: when this process has none yet, the
+        # ranks form it (and this executor ends it on close); otherwise (a second tensor-parallel
+        # engine in one process) they form a group of their own and reduce through gloo.
+        self.default_group = not dist.is_initialized()
+        self.communicator = "shm" if self.default_group and "shm" in communicator_names() else "gloo"
         self.world_size = n
         self.broken: str | None = None
         self.procs: list = []
@@ -238,7 +240,7 @@ class TPExecutor:
             for r in range(1, n):
                 here, there = ctx.Pipe()
                 payload = pickle.dumps((n, store.port, config, info, dtype, max_model_len, pooler_config,
-                                        placements[r], self.communicator))
+                                        placements[r], self.communicator, self.default_group))
                 p = ctx.Process(target=rank_worker.main, name=f"appliance-tp-rank{r}", daemon=True,
                                 args=(r, placements[r].cpus, payload, there))
                 with child_environ(worker_env(config.allocator, placement=placements[r])):
@@ -252,7 +254,7 @@ class TPExecutor:
         try:
             self._await("hello", STARTUP_TIMEOUT_S)
             self._apply_placement(placements[0])
-            pg = gloo_group(0, n, "127.0.0.1", store.port, COLLECTIVE_TIMEOUT_S, store=store)
+            pg = join_group(0, n, store.port, COLLECTIVE_TIMEOUT_S, self.default_group, store=store)
             self.comm = make_communicator(self.communicator, pg, 0, n)
             self.group = TPGroup(0, n, self.comm)
             with tp_group_scope(self.group):
@@ -362,6 +364,11 @@ class TPExecutor:
         comm = self.__dict__.get("comm")
         if comm is not None:
             comm.close()
+            import torch.distributed as dist
+
+            if self.default_group and dist.is_initialized():
+                dist.destroy_process_group()
+        self.comm = None
         cpus, nthreads = self._saved
         try:
             os.sched_setaffinity(0, cpus)

@@ -63,7 +63,8 @@ def _sources(src: Path) -> list[Path]:
 def _source_hash(src: Path) -> str:
     h = hashlib.sha256()
     for p in sorted(src.rglob("*")):
-        if p.is_file() and p.suffix in (".cpp", ".h", ".inc") and "harness" not in p.parts:
+        # shm/ is its own small library (appliance/distributed/shm_allreduce.py), not part of the extension
+        if p.is_file() and p.suffix in (".cpp", ".h", ".inc") and "harness" not in p.parts and "shm" not in p.parts:
             h.update(str(p.relative_to(src)).encode())
             h.update(p.read_bytes())
     return h.hexdigest()[:16]
@@ -458,6 +459,29 @@ def gemm_f32(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None, n: in
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     return _require().gemm_f32(x2, wp, bias, n, silu_mul).view(*lead, n // 2 if silu_mul else n)
+
+
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """Prepack a weight [N, K] in bfloat16 for ``gemm_bf16``: panels of 32 output rows with the k steps in
+    pairs, ``[ceil(N/32), ceil(K/2), 32, 2]`` (element [p, kk, j, i] = W[32p + j, 2kk + i]; zero past N
+    and K). Each (j, kk) pair is one 32-bit word: the operand of the bf16 dot products and, widened with
+    a shift and a mask, of fp32 FMAs (``gemm_bf16`` in native/neon_sve/include/appliance_kernels.h)."""
+    n, k = w.shape
+    p, k2 = -(-n // SGEMM_PANEL), -(-k // 2)
+    wb = torch.zeros(p * SGEMM_PANEL, 2 * k2, dtype=torch.bfloat16)
+    wb[:n, :k] = w.detach()
+    return wb.view(p, SGEMM_PANEL, k2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def gemm_bf16(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` over ``wp = pack_bf16(W)`` for bfloat16 or float32 ``x [..., K]``, in x's dtype:
+    fp32 accumulation (bf16 x bf16 products are exact in fp32), the bias added in fp32, one rounding to
+    x's dtype. No reference fallback: the backend is offered only when the extension is available."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    return _require().gemm_bf16(x2, wp, bias, n).view(*lead, n)
 
 
 def llama_layers(embeds: torch.Tensor, positions: torch.Tensor, layers: list[torch.Tensor], kinds: list[int],

@@ -16,6 +16,7 @@ count.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -107,11 +108,15 @@ class Placement:
     numa_node: int | None = None
     spec: str = "auto"
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    # Bind the process's memory to numa_node in apply() (per-rank placements: each rank's weights and
+    # KV cache stay on its own node). A single engine keeps the default policy.
+    bind_memory: bool = False
 
     def describe(self) -> str:
         where = f"pinned to CPUs {format_cpu_list(list(self.cpus))}" if self.cpus else "not pinned"
         node = f", NUMA node {self.numa_node}" if self.numa_node is not None else ""
-        return f"{self.num_threads} OpenMP threads, {where}{node}"
+        mem = ", memory bound to it" if self.bind_memory and self.numa_node is not None else ""
+        return f"{self.num_threads} OpenMP threads, {where}{node}{mem}"
 
 
 def resolve(spec: str = "auto", num_threads: int | None = None, allowed: set[int] | None = None) -> Placement:
@@ -121,6 +126,9 @@ def resolve(spec: str = "auto", num_threads: int | None = None, allowed: set[int
     if num_threads is not None and num_threads < 1:
         raise ApplianceError(f"--num-threads must be >= 1, got {num_threads}")
     spec = (spec or "auto").strip()
+    if "|" in spec:
+        raise ApplianceError(f"--omp-threads-bind {spec}: {spec.count('|') + 1} CPU lists ('|' separates ranks) "
+                             "for 1 rank; give one list (e.g. 0-31), or as many lists as tensor x data parallel ranks")
     node = None
     if spec == "nobind":
         cores = len(one_cpu_per_core(sorted(allowed)))
@@ -181,6 +189,10 @@ def apply(p: Placement) -> None:
         log.warning("%s", w)
     if p.cpus and "OMP_PLACES" not in os.environ:
         os.sched_setaffinity(0, set(p.cpus))
+    if p.bind_memory and p.numa_node is not None:
+        problem = bind_memory_to_node(p.numa_node)
+        if problem:
+            log.warning("%s", problem)
     try:
         import torch
 
@@ -219,3 +231,144 @@ def engine_cpus() -> list[int]:
 
     cpus = [int(c) for c in re.findall(r"\{(\d+)\}", os.environ.get("OMP_PLACES", ""))]
     return sorted(set(cpus)) if cpus else sorted(os.sched_getaffinity(0))
+# ---- one placement per rank (tensor / data parallel) ------------------------------------------------
+
+
+def check_rank_lists(spec: str, ranks: int, name: str = "--omp-threads-bind") -> None:
+    """Refuse a '|'-separated spec whose number of CPU lists is not ``ranks`` (syntax of each list too),
+    before anything starts. ``name``: the flag or variable the spec came from."""
+    if not spec or "|" not in spec:
+        return
+    lists = spec.split("|")
+    if len(lists) != ranks:
+        raise ApplianceError(f"{name}={spec!r}: {len(lists)} CPU lists ('|' separates ranks) for {ranks} rank(s) "
+                             "(tensor-parallel size x data-parallel size); give one list per rank, or auto")
+    for part in lists:
+        parse_cpu_list(part)
+
+
+def resolve_ranks(spec: str, world_size: int, num_threads: int | None = None,
+                  allowed: set[int] | None = None) -> list[Placement]:
+    """``--omp-threads-bind`` for ``world_size`` ranks on this host, one Placement per rank (rank order).
+
+    - ``"0-31|32-63"``: one CPU list per rank, as vLLM's VLLM_CPU_OMP_THREADS_BIND; the count must
+      equal ``world_size``, every CPU must exist and be allowed, and no CPU may be in two lists.
+    - ``auto``: one rank per NUMA node (the lowest-numbered nodes with usable CPUs), one thread per
+      physical core; with fewer nodes than ranks, the physical cores (in node order) are split into
+      ``world_size`` even contiguous parts. Memory is bound to the rank's node when it has one.
+    - ``nobind``: no pinning; each rank gets its share of the physical cores as threads.
+    ``num_threads``: threads per rank (default: every core of its list)."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ApplianceError(f"--omp-threads-bind: the number of ranks must be >= 1, got {world_size!r}")
+    allowed = set(os.sched_getaffinity(0)) if allowed is None else set(allowed)
+    spec = (spec or "auto").strip()
+    if world_size == 1 and "|" not in spec:
+        return [resolve(spec, num_threads, allowed)]
+    if num_threads is not None and num_threads < 1:
+        raise ApplianceError(f"--num-threads must be >= 1, got {num_threads}")
+    nodes = numa_nodes()
+    if spec == "nobind":
+        share = max(1, len(one_cpu_per_core(sorted(allowed))) // world_size)
+        return [Placement(num_threads or share, None, None, spec) for _ in range(world_size)]
+    if spec == "auto":
+        return _auto_ranks(world_size, num_threads, allowed, nodes)
+    lists = spec.split("|")
+    if len(lists) != world_size:
+        raise ApplianceError(f"--omp-threads-bind {spec}: {len(lists)} CPU list(s) for {world_size} ranks; give "
+                             f"exactly {world_size} lists separated by '|' (e.g. 0-31|32-63), or auto")
+    existing = {c for cpus in nodes.values() for c in cpus} | set(range(os.cpu_count() or 0))
+    out, owner = [], {}
+    for r, part in enumerate(lists):
+        cpus = parse_cpu_list(part)
+        missing = [c for c in cpus if c not in existing]
+        if missing:
+            raise ApplianceError(f"--omp-threads-bind {spec}: rank {r}'s CPU(s) {format_cpu_list(missing)} do not exist "
+                                 f"(this host has CPUs {format_cpu_list(sorted(existing))})")
+        for c in cpus:
+            if c in owner:
+                raise ApplianceError(f"--omp-threads-bind {spec}: CPU {c} is in the lists of ranks {owner[c]} and {r}; "
+                                     "each rank needs its own cores")
+            owner[c] = r
+        p = resolve(part, num_threads, allowed)
+        out.append(dataclasses.replace(p, spec=spec, bind_memory=p.numa_node is not None and len(nodes) > 1))
+    return out
+
+
+def _auto_ranks(world_size: int, num_threads: int | None, allowed: set[int],
+                nodes: dict[int, list[int]]) -> list[Placement]:
+    usable = {k: one_cpu_per_core([c for c in v if c in allowed]) for k, v in sorted(nodes.items())}
+    usable = {k: v for k, v in usable.items() if v}
+    if len(usable) >= world_size:
+        parts = [(k, usable[k]) for k in list(usable)[:world_size]]
+    else:
+        cores = [c for v in usable.values() for c in v] or sorted(allowed)
+        if len(cores) < world_size:
+            raise ApplianceError(f"--omp-threads-bind auto: {world_size} ranks need a core each, but this process "
+                                 f"may use {len(cores)} physical core(s) ({format_cpu_list(cores)})")
+        per, extra = divmod(len(cores), world_size)
+        parts, i = [], 0
+        for r in range(world_size):
+            n = per + (r < extra)
+            chunk = cores[i:i + n]
+            i += n
+            owners = {k for k, v in usable.items() for c in chunk if c in v}
+            parts.append((owners.pop() if len(owners) == 1 else None, chunk))
+    out = []
+    for node, cpus in parts:
+        warnings = []
+        n = num_threads or len(cpus)
+        if n > len(cpus):
+            warnings.append(f"{n} OpenMP threads per rank on {len(cpus)} cores: oversubscribed; "
+                            f"use --num-threads {len(cpus)}")
+        out.append(Placement(n, tuple(cpus[:n]) if n <= len(cpus) else tuple(cpus), node, "auto", tuple(warnings),
+                             bind_memory=node is not None and len(nodes) > 1))
+    return out
+
+
+_MPOL_BIND = 2
+# set_mempolicy(2) has no glibc wrapper; its number differs by architecture.
+_SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
+_SYS_GET_MEMPOLICY = {"x86_64": 239, "aarch64": 236}
+
+
+def bind_memory_to_node(node: int) -> str | None:
+    """Bind this process's future allocations to NUMA ``node`` (what ``numactl --membind`` does,
+    through the set_mempolicy system call). None when done, else the reason it was not (to warn)."""
+    import ctypes
+    import platform
+
+    nr = _SYS_SET_MEMPOLICY.get(platform.machine())
+    if nr is None:
+        return f"memory not bound to NUMA node {node}: set_mempolicy is not wired up for {platform.machine()}"
+    bits = 64 * (node // 64 + 1)
+    mask = (ctypes.c_ulong * (bits // 64))()
+    mask[node // 64] = 1 << (node % 64)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(nr, _MPOL_BIND, mask, ctypes.c_ulong(bits + 1)) != 0:
+        return f"memory not bound to NUMA node {node}: set_mempolicy failed: {os.strerror(ctypes.get_errno())}"
+    return None
+
+
+def memory_binding_support() -> str:
+    """How ranks' memory gets bound to their node here (for doctor)."""
+    import platform
+
+    if platform.machine() in _SYS_SET_MEMPOLICY:
+        return "set_mempolicy(MPOL_BIND) per rank on multi-node hosts"
+    return f"not available on {platform.machine()}: ranks' memory follows the kernel's default policy"
+
+
+def memory_policy() -> tuple[int, list[int]] | None:
+    """(mode, nodes) of this thread's memory policy (mode 2 = bind), or None where it cannot be read."""
+    import ctypes
+    import platform
+
+    nr = _SYS_GET_MEMPOLICY.get(platform.machine())
+    if nr is None:
+        return None
+    mode = ctypes.c_int()
+    mask = (ctypes.c_ulong * 16)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(nr, ctypes.byref(mode), mask, ctypes.c_ulong(16 * 64), None, ctypes.c_ulong(0)) != 0:
+        return None
+    return mode.value, [i for i in range(16 * 64) if mask[i // 64] >> (i % 64) & 1]

@@ -79,6 +79,11 @@ def test_harness_under_qemu(arm_build, profile):
         assert len(re.findall(rf"^PASS {v}\s+gemm_f32 M", r.stdout, re.M)) == 5, v  # the float panel GEMM
         assert len(re.findall(rf"^PASS {v}\s+gemm_f32 silu_mul ", r.stdout, re.M)) == 2, v  # + silu(gate) * up
         assert re.search(rf"^PASS {v}\s+argmax_rows ", r.stdout, re.M), v  # greedy sampling's row argmax
+        # issue 19's GEMM grid (M 1/3/8/17/64 x K 64/576/1000/1001, N 100, and two large-magnitude
+        # cancelling cases) for the float panel GEMM and the bf16 one with fp32 and bf16 activations
+        # (BFDOT where the profile has BF16: v2, v1, max)
+        for what in ("gemm_f32 grid", "gemm_bf16 x:f32", "gemm_bf16 x:bf16"):
+            assert len(re.findall(rf"^PASS {v}\s+{what} M", r.stdout, re.M)) == 22, (v, what)
 
 
 def disassemble(obj: Path) -> str:
@@ -88,6 +93,46 @@ def disassemble(obj: Path) -> str:
 
 
 SVE_INSN = re.compile(r"\t(?:ld1w|ld1h|st1w|fmla|fmad|fmul|whilelo|faddv|ptrue)\s+[{]?z|\tptrue\s|\twhilelo\s")
+
+
+def function_text(text: str, name: str) -> str:
+    """The disassembly (objdump -d -C) of every function whose demangled name contains ``name``."""
+    parts = re.split(r"\n(?=[0-9a-f]+ <)", text)
+    return "\n".join(p for p in parts if name in p.split("\n", 1)[0])
+
+
+def disassemble_demangled(obj: Path) -> str:
+    r = subprocess.run(["aarch64-linux-gnu-objdump", "-d", "-C", "--no-show-raw-insn", str(obj)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+FMLA_LANE = re.compile(r"\tfmla\s+v\d+\.4s, v\d+\.4s, v\d+\.s\[[1-3]\]")
+Q_STACK = re.compile(r"\t(?:ldr|str|ldp|stp)\s+q\d+,.*\[sp")
+
+
+def test_panel_gemms_are_neon_micro_kernels(arm_build):
+    """gemm_f32's and gemm_bf16's blocks are the explicit NEON micro-kernels of gemm_neon.inc in every Arm
+    variant: FMLA by lane (k steps 1-3 of an activation register), the bf16 words widened by SHL and
+    AND, and BFDOT by element in neon_bf16 and sve, with the accumulators in registers through the k loop
+    (no q register stored to or loaded from the stack but the partial-panel epilogue's stores)."""
+    for name in ("kernels_neon.o", "kernels_neon_bf16.o", "kernels_sve.o"):
+        text = disassemble_demangled(arm_build / name)
+        sg = function_text(text, "::sgemm_rows<2>")
+        assert len(FMLA_LANE.findall(sg)) >= 3 * 16, name  # lanes 1..3 of 4 k steps x 8 columns x 2 rows
+        assert len(Q_STACK.findall(sg)) <= 16, name  # only the tail's float t[32] (8 q per row)
+        bg = function_text(text, "::bgemm_block<2>")
+        assert re.search(r"\tshl\s+v\d+\.4s, v\d+\.4s, #16", bg), name
+        assert re.search(r"\tand\s+v\d+\.16b", bg), name
+        # 8 columns x 2 rows x 2 halves; GCC 12 keeps the first by lane and broadcasts x for the rest
+        assert len(re.findall(r"\tfmla\s+v\d+\.4s, v\d+\.4s, v\d+\.(?:4s|s\[[01]\])", bg)) >= 32, name
+        assert not Q_STACK.findall(bg), name
+    # BFDOT: neon_bf16, and sve (in functions of their own +bf16 target, run where the CPU has BF16)
+    for name in ("kernels_neon_bf16.o", "kernels_sve.o"):
+        dot = function_text(disassemble_demangled(arm_build / name), "::bgemm_block_dot<2>")
+        assert len(re.findall(r"\tbfdot\s+v\d+\.4s, v\d+\.8h, v\d+\.2h\[[0-3]\]", dot)) >= 64, name
+        assert not Q_STACK.findall(dot), name
 
 
 def test_bf16_build_contains_bfmmla(arm_build):

@@ -58,8 +58,8 @@ def test_architectures_that_do_not_shard_are_refused(tiny_model_dir):
 
 
 def test_a_bind_list_per_rank(llama_dir):
-    with pytest.raises(InvalidRequestError, match=r"omp_threads_bind='0\|1\|0' gives 3 CPU lists; "
-                                                  r"tensor_parallel_size=2 needs one per rank"):
+    with pytest.raises(InvalidRequestError, match=r"omp_threads_bind='0\|1\|0': 3 CPU lists \('\|' separates ranks\) "
+                                                  r"for 2 rank\(s\)"):
         LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", tensor_parallel_size=2, num_kv_blocks=16,
                                omp_threads_bind="0|1|0"))
 

@@ -130,7 +130,7 @@ def test_fused_native_layers_match_per_op_path_and_transformers(tiny_model_dir, 
 
 
 @pytest.mark.parametrize("linear,dtype", [("onednn", "float32"), ("torch", "float32"), ("onednn", "bfloat16"),
-                                          ("native", "float32")])
+                                          ("native", "float32"), ("native_bf16", "bfloat16")])
 def test_fused_layers_equal_per_op_path_for_every_float_backend(tiny_model_dir, linear, dtype, monkeypatch):
     """The one-call decoder stack takes every float linear backend (oneDNN's packed weights through
     mkldnn::_linear_pointwise, F.linear, the native GEMM) and bfloat16 as well: the logits of every
@@ -159,6 +159,28 @@ def test_fused_layers_equal_per_op_path_for_every_float_backend(tiny_model_dir, 
     monkeypatch.setattr(native, "FUSED_LAYERS", False)
     per_op_out = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ids, sampling_params=sp)]
     assert fused_out == per_op_out
+
+
+@pytest.mark.parametrize("arch,tie", [("llama", True), ("qwen2", False)])
+def test_native_bf16_linear_matches_transformers_bf16(tiny_model_dir, arch, tie):
+    """A bfloat16 model on the bf16 panel GEMM (every layer, lm_head included) against transformers in
+    bfloat16, held to the deviation F.linear itself has there: both round every activation to bf16, so
+    they differ by summation order only; the native_bf16 logits may deviate from transformers' at most
+    1.5x as much as the torch backend's do (plus 1e-2). A wrong panel or pair would be off by O(1)."""
+    path = tiny_model_dir(arch, tie, 2)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
+    dev = {}
+    for linear in ("native_bf16", "torch"):
+        llm = LLM(str(path), dtype="bfloat16", linear_backend=linear, num_kv_blocks=128)
+        assert set(llm.engine.runner.linear_backends.values()) == {linear}
+        tok = llm.get_tokenizer()
+        ids = [tok.encode(p) for p in PROMPTS]
+        dev[linear] = 0.0
+        for p in ids:
+            with torch.no_grad():
+                want = hf(torch.tensor([p])).logits[0, -1].float()
+            dev[linear] = max(dev[linear], (engine_logits(llm, p).float() - want).abs().max().item())
+    assert dev["native_bf16"] <= 1.5 * dev["torch"] + 1e-2, dev
 
 
 QUANT_FUSED = {"w8a8_native": "w8a8", "w8a16_int8pack": "w8a8", "w4a16_int4pack": "w4a8", "w4a8_dynquant": "w4a8"}

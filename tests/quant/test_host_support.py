@@ -152,3 +152,5 @@ def test_doctor_reports_every_backend_with_its_reason():
     assert r["w8a8_onednn"]["available"] == (quant.onednn_int8_problem() is None)
     assert r["w8a8_onednn"]["reason"] == quant.onednn_int8_problem()
     assert r["onednn:bfloat16"]["available"] == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    # the bf16 panel GEMM is checked for the dtype it runs (bfloat16), wherever the native kernels are built
+    assert r["native_bf16"]["dtype"] == "bfloat16" and r["native_bf16"]["available"] == r["native"]["available"]

@@ -19,7 +19,7 @@ CPU = torch.device("cpu")
 def test_registry_and_config_name_the_same_methods():
     assert set(methods.REGISTRY) == set(LINEAR_BACKENDS) - {"auto"}
     assert all(name == m.name for name, m in methods.REGISTRY.items())
-    assert linear.FLOAT_BACKENDS == ("torch", "onednn", "native")
+    assert linear.FLOAT_BACKENDS == ("torch", "onednn", "native", "native_bf16")
     assert quant.BACKENDS == {"w8a8": ("w8a8_onednn", "w8a16_int8pack", "w8a8_native"),
                               "w4a8": ("w4a8_dynquant", "w4a16_int4pack")}
 
@@ -36,7 +36,7 @@ def test_every_method_says_why_it_cannot_run_or_none(name):
 
 def test_only_float_methods_join_the_decoder_stack_with_distinct_kinds():
     kinds = {m.name: m.fused_kind for m in methods.REGISTRY.values() if m.fused_kind is not None}
-    assert kinds == {"native": 0, "onednn": 1, "torch": 2}  # LinearKind in torch_bindings.cpp
+    assert kinds == {"native": 0, "onednn": 1, "torch": 2, "native_bf16": 7}  # LinearKind in torch_bindings.cpp
 
 
 class _Fake(FloatMethod):

@@ -1,4 +1,4 @@
-"""Float linear methods: ``torch``, ``onednn`` and ``native``.
+"""Float linear methods: ``torch``, ``onednn``, ``native`` (float32) and ``native_bf16`` (bfloat16).
 
 Each packs ``(weight [N, K], bias [N] or None)`` of a float ``Linear`` and applies it to
 ``x [..., K]`` of the weight's dtype, giving ``[..., N]`` with the bias added. ``silu_mul``: the
@@ -21,6 +21,10 @@ def _native():
 
 def native_gemm_available(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32 and device.type == "cpu" and _native().is_available()
+
+
+def native_bf16_gemm_available(dtype: torch.dtype, device: torch.device) -> bool:
+    return dtype == torch.bfloat16 and device.type == "cpu" and _native().is_available()
 
 
 def onednn_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -149,3 +153,38 @@ class NativeLinear(FloatMethod):
         if silu_mul_next and p["unorder"] is None:
             return None
         return FusedLinear(self.fused_kind, p["w"], p["bias"])
+
+
+@register
+class NativeBF16Linear(FloatMethod):
+    """bfloat16: the weight prepacked once into bf16 panels of 32 output columns with pairs of k steps
+    interleaved (``ops.native.pack_bf16``) and applied by the native extension's ``gemm_bf16``: the float32
+    panel GEMM's work split and prefetch over half the bytes. Every variant reads the same panels:
+    AVX512-BF16 multiplies them with VDPBF16PS and Arm BF16 cores with BFDOT; AVX2, AVX512, NEON, SVE
+    and the portable build widen each word to its two fp32 weights (a shift and a mask) and FMA, so a
+    host without bf16 arithmetic still streams half the bytes of float32 weights at decode.
+
+    fp32 accumulation and one rounding of the output to bf16: what ``F.linear`` over the bf16 weights
+    computes in fp32 (``reference``), to within fp32 summation order. The [gate; up] projection is not
+    fused with silu: the stack and the MLP follow it with ``silu_and_mul``."""
+
+    name = "native_bf16"
+    fused_kind = 7  # kLinBF16
+
+    def host_problem(self, dtype=torch.float32, device=torch.device("cpu")):
+        if native_bf16_gemm_available(dtype, device):
+            return None
+        if dtype != torch.bfloat16 or device.type != "cpu":
+            return f"the native bf16 panel GEMM takes bfloat16 layers on the CPU, not {dtype} on {device}"
+        return native_extension_problem()
+
+    def pack(self, weight, bias, silu_mul=False):
+        if not native_bf16_gemm_available(weight.dtype, weight.device):
+            raise ValueError("linear backend native_bf16 needs bfloat16 weights on the CPU and the native "
+                             f"kernel extension (python -m appliance.ops.native --build); got {weight.dtype} "
+                             f"on {weight.device}")
+        return {"w": _native().pack_bf16(weight), "bias": None if bias is None else bias.float().contiguous(),
+                "n": weight.shape[0]}
+
+    def apply(self, p, x):
+        return _native().gemm_bf16(x, p["w"], p["bias"], p["n"])

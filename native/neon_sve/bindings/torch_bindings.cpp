@@ -211,6 +211,30 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
+// bf16-weight GEMM over weights prepacked by appliance/ops/native.py pack_bf16 (backend "native_bf16"):
+// wp bfloat16 [ceil(N/32), ceil(K/2), 32, 2]; x float32 or bfloat16 [M, K]; the output has x's dtype.
+torch::Tensor gemm_bf16(const torch::Tensor& x_in, const torch::Tensor& wp, const c10::optional<torch::Tensor>& bias,
+                        int64_t n) {
+  TORCH_CHECK(x_in.dim() == 2, "gemm_bf16: x [M, K], got ", x_in.dim(), " dims");
+  const auto x = x_in.contiguous();
+  const int x_dtype = dtype_of(x, "x");
+  const int64_t m = x.size(0), k = x.size(1), panels = (n + ak::kSgemmPanel - 1) / ak::kSgemmPanel;
+  TORCH_CHECK(n > 0 && k > 0 && wp.scalar_type() == torch::kBFloat16 && wp.is_contiguous() &&
+                  wp.numel() == panels * ak::kSgemmPanel * ((k + 1) / 2) * 2,
+              "gemm_bf16: wp bfloat16 [ceil(N/", ak::kSgemmPanel, "), ceil(K/2), ", ak::kSgemmPanel, ", 2] for N=", n,
+              ", K=", k);
+  torch::Tensor bf;  // the bias in fp32 (a bf16 model's bias is bf16)
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "gemm_bf16: bias [N] with N=", n, ", got ", bias->numel(), " elements");
+    bf = bias->to(torch::kFloat32).contiguous();
+  }
+  auto out = torch::empty({m, n}, x.options());
+  if (m > 0)
+    K()->gemm_bf16(x.data_ptr(), x_dtype, m, k, reinterpret_cast<const uint16_t*>(wp.data_ptr()), n,
+                   bf.defined() ? bf.data_ptr<float>() : nullptr, out.data_ptr(), x_dtype);
+  return out;
+}
+
 // A linear layer of llama_layers: how its linear method (appliance/layers/methods) packed it. Each
 // is applied exactly as that method's ``apply`` (and QuantLinear.forward, for the quantized kinds:
 // the float32 result plus the bias, cast to the activations' dtype) does it, op for op.
@@ -222,9 +246,11 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
 //   kLinDynQuant4 _dyn_quant_matmul_4bit (w4a8_dynquant, KleidiAI on Arm): aux {-, -, offset_t},
 //               ints {group};
 //   kLinInt8Pack _weight_int8pack_mm on bf16 activations (w8a16_int8pack): aux {bf16 scales}.
+//   kLinBF16    gemm_bf16 over pack_bf16's panels (native_bf16).
 // offset_t [G, N] (empty: none) is the group zero points' term: x's G group sums times it, added.
 enum LinearKind : int64_t {
-  kLinNative = 0, kLinOneDNN = 1, kLinTorch = 2, kLinW8G = 3, kLinInt4Pack = 4, kLinDynQuant4 = 5, kLinInt8Pack = 6
+  kLinNative = 0, kLinOneDNN = 1, kLinTorch = 2, kLinW8G = 3, kLinInt4Pack = 4, kLinDynQuant4 = 5, kLinInt8Pack = 6,
+  kLinBF16 = 7
 };
 
 // oneDNN's prepacked linear, as Linear.forward calls it (mkldnn::_linear_pointwise, attr "none").
@@ -294,6 +320,7 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
     if (kind == kLinNative) return gemm_f32(x, w, b, n, false);
     if (kind == kLinOneDNN) return onednn_linear(x, w, b);
     if (kind == kLinTorch) return torch::linear(x, w, b);
+    if (kind == kLinBF16) return gemm_bf16(x, w, b, n);
     torch::Tensor y;
     if (kind == kLinW8G) {
       const auto xf = x.to(torch::kFloat32).contiguous();
@@ -396,6 +423,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_f32", &gemm_f32, pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("n"), pybind11::arg("silu_mul") = false);
   m.def("argmax_rows", &argmax_rows);
+  m.def("gemm_bf16", &gemm_bf16, pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("n"));
   m.def("llama_layers", &llama_layers);
   m.def("cpu_has", &cpu_has);
   m.def("kernel_variant", &kernel_variant);

@@ -149,6 +149,7 @@ bool cpu_has(const char* feature) {
   if (std::strcmp(feature, "avx512_vnni") == 0) return f.avx512vnni;
   if (std::strcmp(feature, "dotprod") == 0) return f.dotprod;
   if (std::strcmp(feature, "i8mm") == 0) return f.i8mm;
+  if (std::strcmp(feature, "bf16") == 0) return f.bf16;
   return false;
 }
 

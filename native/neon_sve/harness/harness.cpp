@@ -4,7 +4,8 @@
 // (decode, prefill, chunked prefill, mixed batches; GQA 1/4/8; fp32 and bf16 caches; several
 // head and block sizes), reshape_and_cache, RMSNorm, fused add+RMSNorm, rotary, SiLU-and-mul,
 // the polynomial exp's error bound, and the W8A8 group-scale GEMM (every variant, generic included,
-// against a double-precision reference of its quantized math).
+// against a double-precision reference of its quantized math), and the float32 and bf16-weight panel
+// GEMMs against double-precision products (gemm_f32, gemm_bf16 with fp32 and bf16 activations).
 //
 //   harness [--expect-variants a,b,c] [--expect-selected name]
 // Prints one line per check and "RESULT: OK" (exit 0) or "RESULT: FAIL" (exit 1).
@@ -521,6 +522,129 @@ void check_sgemm(const std::vector<const KernelTable*>& variants) {
   }
 }
 
+// The panel GEMMs over the shapes of issue 19: decode rows (1), partial, whole and several row blocks
+// (3, 8, 17, 64), K of a small layer, the default model's hidden size, and not a multiple of the
+// unrolls (1000, 1001: odd, a padded last pair), N with a partial last panel (100). Against a double
+// product with a rigorous bound: each of the ~K fp32 operations of an output rounds by at most one
+// ulp (2^-23, relative: round-to-odd of BFDOT included), so |err| <= 2^-23 (K + 2) sum_k |x_k w_k|
+// (+ the bias' rounding); a bf16 output adds its own rounding, 2^-8 |y|. A wrong panel, column, pair
+// or tail is off by O(sum |x w| / sqrt(K)), hundreds of times the bound. "large": x ~ 1e6 and
+// w ~ 1e3 of mixed signs, every even k's weight cancelled by the next (y ~ 0, sum |x w| ~ 1e9 K).
+struct GemmCase {
+  int M, N, K;
+  bool bias, large;
+};
+
+std::vector<GemmCase> gemm_grid() {
+  std::vector<GemmCase> cases;
+  for (int m : {1, 3, 8, 17, 64})
+    for (int k : {64, 576, 1000, 1001}) cases.push_back({m, 100, k, m % 2 == 1, false});
+  cases.push_back({3, 70, 1001, true, true});
+  cases.push_back({17, 40, 576, false, true});
+  return cases;
+}
+
+void fill_gemm(const GemmCase& c, Rng& rng, std::vector<float>& w, std::vector<float>& x, std::vector<float>& b) {
+  w.resize((size_t)c.N * c.K);
+  x.resize((size_t)c.M * c.K);
+  b.resize(c.N);
+  for (int n = 0; n < c.N; ++n)
+    for (int k = 0; k < c.K; ++k) {
+      float v = (c.large ? 1e3f : 0.1f) * rng.normal();
+      if (c.large && k % 2 == 1) v = -w[(size_t)n * c.K + k - 1] * (1.f + 1e-3f * rng.normal());
+      w[(size_t)n * c.K + k] = v;
+    }
+  for (auto& v : x) v = (c.large ? 1e6f : 1.f) * rng.normal();
+  for (auto& v : b) v = rng.normal();
+}
+
+// y = x w^T + b in double, and the rigorous fp32 bound of each output (see above).
+void gemm_ref(const GemmCase& c, const std::vector<float>& x, const std::vector<float>& w, const std::vector<float>& b,
+              std::vector<double>& ref, std::vector<double>& bound) {
+  ref.assign((size_t)c.M * c.N, 0);
+  bound.assign(ref.size(), 0);
+  const double u = std::ldexp(1.0, -23) * (c.K + 2);
+  for (int m = 0; m < c.M; ++m)
+    for (int n = 0; n < c.N; ++n) {
+      double acc = c.bias ? b[n] : 0.0, mag = c.bias ? std::fabs(b[n]) : 0.0;
+      for (int k = 0; k < c.K; ++k) {
+        const double p = (double)x[(size_t)m * c.K + k] * w[(size_t)n * c.K + k];
+        acc += p;
+        mag += std::fabs(p);
+      }
+      ref[(size_t)m * c.N + n] = acc;
+      bound[(size_t)m * c.N + n] = u * mag + 1e-30;
+    }
+}
+
+template <class Get>
+void report_gemm(const char* variant, const std::string& what, const std::vector<double>& ref,
+                 const std::vector<double>& bound, double rel_out, Get got) {
+  bool ok = true;
+  double worst = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double e = std::fabs(got(i) - ref[i]);
+    if (!(e <= bound[i] + rel_out * std::fabs(ref[i]))) ok = false;
+    if (!(e <= worst)) worst = e;
+  }
+  report(ok, variant, what, worst);
+}
+
+void check_gemm_grid(const std::vector<const KernelTable*>& variants) {
+  constexpr int NR = kSgemmPanel;
+  Rng rng(23);
+  for (const GemmCase& c : gemm_grid()) {
+    std::vector<float> w, x, b;
+    fill_gemm(c, rng, w, x, b);
+    const int P = (c.N + NR - 1) / NR, K2 = (c.K + 1) / 2;
+    // gemm_f32 panels
+    std::vector<float> wp((size_t)P * c.K * NR, 0.f);
+    for (int n = 0; n < c.N; ++n)
+      for (int k = 0; k < c.K; ++k) wp[((size_t)(n / NR) * c.K + k) * NR + n % NR] = w[(size_t)n * c.K + k];
+    std::vector<double> ref, bound;
+    gemm_ref(c, x, w, b, ref, bound);
+    char what[96];
+    for (const KernelTable* kt : variants) {
+      std::vector<float> out((size_t)c.M * c.N, -1.f);
+      kt->gemm_f32(x.data(), c.M, c.K, wp.data(), c.N, c.bias ? b.data() : nullptr, out.data(), kSgemmNoAct);
+      std::snprintf(what, sizeof what, "gemm_f32 grid M=%d N=%d K=%d%s%s", c.M, c.N, c.K, c.bias ? " bias" : "",
+                    c.large ? " large" : "");
+      report_gemm(kt->name, what, ref, bound, 0, [&](size_t i) { return (double)out[i]; });
+    }
+    // gemm_bf16: the weights rounded to bf16, packed in k pairs; x fp32, then x rounded to bf16 (bf16 out)
+    std::vector<float> wr(w.size());
+    std::vector<uint16_t> bp((size_t)P * K2 * NR * 2, 0);
+    for (int n = 0; n < c.N; ++n)
+      for (int k = 0; k < c.K; ++k) {
+        const uint16_t h = f32_to_bf16(w[(size_t)n * c.K + k]);
+        wr[(size_t)n * c.K + k] = bf16_to_f32(h);
+        bp[(((size_t)(n / NR) * K2 + k / 2) * NR + n % NR) * 2 + k % 2] = h;
+      }
+    gemm_ref(c, x, wr, b, ref, bound);
+    for (const KernelTable* kt : variants) {
+      std::vector<float> out((size_t)c.M * c.N, -1.f);
+      kt->gemm_bf16(x.data(), kF32, c.M, c.K, bp.data(), c.N, c.bias ? b.data() : nullptr, out.data(), kF32);
+      std::snprintf(what, sizeof what, "gemm_bf16 x:f32 M=%d N=%d K=%d%s%s", c.M, c.N, c.K, c.bias ? " bias" : "",
+                    c.large ? " large" : "");
+      report_gemm(kt->name, what, ref, bound, 0, [&](size_t i) { return (double)out[i]; });
+    }
+    std::vector<uint16_t> xh(x.size());
+    std::vector<float> xr(x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      xh[i] = f32_to_bf16(x[i]);
+      xr[i] = bf16_to_f32(xh[i]);
+    }
+    gemm_ref(c, xr, wr, b, ref, bound);
+    for (const KernelTable* kt : variants) {
+      std::vector<uint16_t> out((size_t)c.M * c.N, 0xffff);
+      kt->gemm_bf16(xh.data(), kBF16, c.M, c.K, bp.data(), c.N, c.bias ? b.data() : nullptr, out.data(), kBF16);
+      std::snprintf(what, sizeof what, "gemm_bf16 x:bf16 M=%d N=%d K=%d%s%s", c.M, c.N, c.K, c.bias ? " bias" : "",
+                    c.large ? " large" : "");
+      report_gemm(kt->name, what, ref, bound, std::ldexp(1.0, -8), [&](size_t i) { return (double)bf16_to_f32(out[i]); });
+    }
+  }
+}
+
 // Row argmax (greedy sampling): the first maximum; ties, -inf rows, NaN (counts as the maximum) and a
 // row stride wider than the row.
 void check_argmax(const std::vector<const KernelTable*>& variants) {
@@ -594,6 +718,7 @@ int main(int argc, char** argv) {
   check_attention(variants);
   check_w8g(variants);
   check_sgemm(variants);
+  check_gemm_grid(variants);
   check_argmax(variants);
   std::printf("checks: %d, failures: %d\nRESULT: %s\n", g_checks, g_failures, g_failures ? "FAIL" : "OK");
   return g_failures ? 1 : 0;

@@ -111,6 +111,18 @@ struct KernelTable {
   // out[r] = index of the first maximum of row r (x[r * ld .. r * ld + n)); a row holding NaN gives
   // its first NaN, as torch.argmax. Rows in parallel: the greedy sampler's logits.
   void (*argmax_rows)(const float* x, int64_t rows, int64_t n, int64_t ld, int64_t* out);
+  // bf16-weight GEMM out[M, N] = x[M, K] W^T (+ bias[N]): the gemm_f32 work split over W prepacked
+  // once in bf16 (half the bytes streamed per decode step), panels of kSgemmPanel output columns with
+  // the k steps in pairs: as 32-bit words wp[p][kk][j] = W[32p + j, 2kk] (low half) | W[32p + j,
+  // 2kk + 1] (high half), kk < ceil(K/2), zero past K and N. The layout is the same for every variant:
+  // a word widens to its two fp32 weights with a shift and a mask (generic, avx2, avx512, neon, sve:
+  // fp32 FMA), and it is the operand pair of the bf16 dot products, used when x is bf16 (avx512bf16:
+  // VDPBF16PS, 16 columns per zmm; neon_bf16: BFDOT by element, 4 columns per register).
+  // x: x_dtype (DType), contiguous [M, K]; bias: fp32 [N] or null; out: out_dtype, contiguous [M, N].
+  // Accumulation in fp32 (products of bf16 x and bf16 W are exact in fp32), the bias added in fp32,
+  // then one rounding to out_dtype.
+  void (*gemm_bf16)(const void* x, int x_dtype, int64_t M, int64_t K, const uint16_t* wp, int64_t N,
+                    const float* bias, void* out, int out_dtype);
 };
 
 // Output columns per prepacked panel of gemm_f32 (the layout is the same for every variant).
@@ -129,7 +141,7 @@ int available_kernels(const KernelTable** out, int max);
 // A variant by name, or nullptr if unknown or not supported on this CPU.
 const KernelTable* find_kernels(const char* name);
 // Whether the CPU has an optional feature a variant uses inside one kernel: "avx512_vnni"
-// (x86), "dotprod", "i8mm" (Arm). Unknown names: false.
+// (x86), "dotprod", "i8mm", "bf16" (Arm). Unknown names: false.
 bool cpu_has(const char* feature);
 // Short text describing the detected CPU features (for logs and `appliance doctor`).
 const char* cpu_features_string();

@@ -775,6 +775,142 @@ static void gemm_f32(const float* x, int64_t M, int64_t K, const float* wp, int6
   }
 }
 
+// ------------------------------------------------------------------ bf16-weight GEMM, prepacked panels
+//
+// gemm_bf16 (layout in appliance_kernels.h): gemm_f32's work split and prefetch over bf16 panels
+// (K2 = ceil(K/2) words of 32 columns, 128 bytes a word row). A row block computes into an fp32
+// tile; the bias and the rounding to the output dtype are applied here, once per element.
+//
+//   template <int MR> void bgemm_block(const float* A, int64_t lda, const uint32_t* B, int64_t K2,
+//       float* C, const char* pf, int pf_per4);
+//     C[r * 32 + j] = sum_kk A[r, 2kk] lo(B[kk, j]) + A[r, 2kk + 1] hi(B[kk, j]) for r < MR, j < 32
+//     (A fp32 with rows of at least 2 * K2: zero-padded when K is odd); prefetches pf_per4 lines from
+//     pf every 2 word rows (4 k steps, as sgemm_block). A variant defines AK_BGEMM_BLOCK for its own.
+//   template <int MR> void bgemm_block_dot(const uint32_t* A, int64_t lda, ...same...);
+//     the same over bf16 activations given as words of (x[2kk], x[2kk + 1]) pairs: defined by the
+//     variants with a bf16 dot product (AK_BGEMM_DOT), used when x is bf16 and bgemm_dot_ok() (the
+//     CPU has it: always for avx512bf16 and neon_bf16, a run-time check for sve).
+
+static inline float bgemm_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+#ifndef AK_BGEMM_BLOCK
+template <int MR>
+static void bgemm_block(const float* A, int64_t lda, const uint32_t* B, int64_t K2, float* C,
+                        const char* pf, int pf_per4) {
+  constexpr int NR = kSgemmPanel;
+  float acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = 0.f;
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    if (pf && (kk & 1) == 0) {
+      for (int i = 0; i < pf_per4; ++i) __builtin_prefetch(pf + 64 * i, 0, 2);
+      pf += 64 * pf_per4;
+    }
+    const uint32_t* b = B + kk * NR;
+    float lo[NR], hi[NR];
+#pragma omp simd
+    for (int j = 0; j < NR; ++j) {
+      lo[j] = bgemm_bits(b[j] << 16);
+      hi[j] = bgemm_bits(b[j] & 0xffff0000u);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const float a0 = A[(int64_t)r * lda + 2 * kk], a1 = A[(int64_t)r * lda + 2 * kk + 1];
+#pragma omp simd
+      for (int j = 0; j < NR; ++j) acc[r][j] += a0 * lo[j] + a1 * hi[j];
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) C[r * NR + j] = acc[r][j];
+}
+#endif
+
+static void gemm_bf16(const void* x, int x_dtype, int64_t M, int64_t K, const uint16_t* wp, int64_t N,
+                      const float* bias, void* out, int out_dtype) {
+  constexpr int NR = kSgemmPanel, MR = kSgemmMR;
+  using Block = void (*)(const float*, int64_t, const uint32_t*, int64_t, float*, const char*, int);
+  static const Block kBlocks[MR + 1] = {nullptr,         bgemm_block<1>, bgemm_block<2>,
+                                        bgemm_block<3>, bgemm_block<4>, bgemm_block<5>,
+                                        bgemm_block<6>, bgemm_block<7>, bgemm_block<8>};
+  const int64_t K2 = (K + 1) / 2;
+  const int64_t P = (N + NR - 1) / NR;
+  const int64_t panel = K2 * NR;  // words
+  const int64_t lines = panel * 4 / 64;
+  const int iters = (int)(K2 / 2);
+  const uint32_t* W = reinterpret_cast<const uint32_t*>(wp);
+#ifdef AK_BGEMM_DOT
+  using DotBlock = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, float*, const char*, int);
+  static const DotBlock kDot[MR + 1] = {nullptr,             bgemm_block_dot<1>, bgemm_block_dot<2>,
+                                        bgemm_block_dot<3>, bgemm_block_dot<4>, bgemm_block_dot<5>,
+                                        bgemm_block_dot<6>, bgemm_block_dot<7>, bgemm_block_dot<8>};
+  const bool dot = x_dtype == kBF16 && bgemm_dot_ok();
+#else
+  const bool dot = false;
+#endif
+  // Activations as the blocks read them: x itself when it already is (fp32, or bf16 pairs for the
+  // dot product, with K even and word-aligned rows), else a staged copy (K padded with a zero).
+  const bool direct = K % 2 == 0 && (dot ? (x_dtype == kBF16 && (reinterpret_cast<uintptr_t>(x) & 3) == 0)
+                                         : x_dtype == kF32);
+  FloatBuf stage(direct ? 0 : (size_t)(M * (dot ? K2 : 2 * K2)));
+  if (!direct) {
+#pragma omp parallel for schedule(static) if (M * K > (1 << 16))
+    for (int64_t m = 0; m < M; ++m) {
+      if (dot) {
+        uint16_t* d = reinterpret_cast<uint16_t*>(stage.data() + m * K2);
+        std::memcpy(d, static_cast<const uint16_t*>(x) + m * K, K * sizeof(uint16_t));
+        if (K % 2) d[K] = 0;
+      } else {
+        float* d = stage.data() + m * 2 * K2;
+        load_row(x, x_dtype, m * K, d, K);
+        if (K % 2) d[K] = 0.f;
+      }
+    }
+  }
+  const float* xf = direct ? static_cast<const float*>(x) : stage.data();
+  const int64_t lda = dot ? K2 : 2 * K2;  // in floats or words
+#pragma omp parallel if (M * N * K > (1 << 17) && P > 1)
+  {
+    const int T = omp_get_num_threads(), t = omp_get_thread_num();
+    alignas(64) float tile[MR * NR];
+    const int64_t p0 = P * t / T, p1 = P * (t + 1) / T;
+    const int64_t gp = M <= kSgemmMB ? 1 : std::max<int64_t>(1, kSgemmGroupBytes / (panel * 4));
+    const int64_t nrb = (M + MR - 1) / MR;
+    for (int64_t g0 = p0; g0 < p1; g0 += gp) {
+      const int64_t g1 = std::min(p1, g0 + gp);
+      const int64_t next_lines = (std::min(p1, g1 + gp) - g1) * lines;
+      const int64_t calls = nrb * (g1 - g0);
+      const int per4 = iters && next_lines ? (int)((next_lines + calls * iters - 1) / (calls * iters)) : 0;
+      const char* next = reinterpret_cast<const char*>(W + g1 * panel);
+      int64_t c = 0;
+      for (int64_t rb = 0; rb < nrb; ++rb) {
+        const int64_t r0 = rb * MR;
+        const int mr = (int)std::min<int64_t>(MR, M - r0);
+        for (int64_t p = g0; p < g1; ++p, ++c) {
+          const uint32_t* B = W + p * panel;
+          const int nvalid = (int)std::min<int64_t>(NR, N - p * NR);
+          const int64_t first = c * iters * per4;
+          const char* pf = per4 > 0 && first < next_lines ? next + first * 64 : nullptr;
+#ifdef AK_BGEMM_DOT
+          if (dot)
+            kDot[mr](reinterpret_cast<const uint32_t*>(xf) + r0 * lda, lda, B, K2, tile, pf, per4);
+          else
+#endif
+            kBlocks[mr](xf + r0 * lda, lda, B, K2, tile, pf, per4);
+          for (int r = 0; r < mr; ++r) {
+            float* tr = tile + r * NR;
+            if (bias)
+              for (int j = 0; j < nvalid; ++j) tr[j] += bias[p * NR + j];
+            store_row(out, out_dtype, (r0 + r) * N + p * NR, tr, nvalid);
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace impl
 
 static const KernelTable kTable = {
@@ -782,4 +918,5 @@ static const KernelTable kTable = {
     impl::rms_norm,         impl::fused_add_rms_norm, impl::rotary_embedding,
     impl::silu_and_mul,     impl::reshape_and_cache, impl::gemm_w8g_a8,
     impl::gemm_f32,         impl::argmax_rows,
+    impl::gemm_bf16,
 };

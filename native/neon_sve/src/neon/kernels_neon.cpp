@@ -1,6 +1,6 @@
 // Arm NEON variant: the armv8-a baseline every Neoverse core runs (N1 included). gemm_w8g_a8 adds
 // SDOT / SMMLA functions (w8g_neon.inc, their own target), run only when the CPU reports
-// dotprod / i8mm.
+// dotprod / i8mm. The panel GEMMs (gemm_f32, gemm_bf16) are the NEON micro-kernels of gemm_neon.inc.
 #include "kernel_common.h"
 
 #if defined(__aarch64__)
@@ -25,6 +25,8 @@ static inline void pv_tile(float* A, int M, const float* P, int lds, const KT* V
 }
 
 #include "w8g_neon.inc"
+
+#include "gemm_neon.inc"
 
 #define AK_VARIANT_NAME "neon"
 #include "kernels_impl.h"

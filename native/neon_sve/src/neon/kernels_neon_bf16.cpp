@@ -5,6 +5,7 @@
 //          B = V^T for two dims x 4 tokens (a 4x8 bf16 tile transposed with 8 zips).
 // The query and the probabilities are rounded to bf16 (about 3 significant digits), as every
 // bf16 attention path does. An fp32 cache takes the NEON fp32 path.
+// gemm_bf16 over bf16 activations multiplies with BFDOT by element (gemm_neon.inc, AK_BGEMM_BFDOT).
 #include "kernel_common.h"
 
 #if defined(__aarch64__)
@@ -145,6 +146,9 @@ static inline void pv_tile(float* A, int M, const float* P, int lds, const KT* V
 }
 
 #include "w8g_neon.inc"
+
+#define AK_BGEMM_BFDOT 1
+#include "gemm_neon.inc"
 
 #define AK_VARIANT_NAME "neon_bf16"
 #include "kernels_impl.h"

@@ -1,6 +1,9 @@
 // Arm SVE variant, vector-length agnostic (svcntw() lanes; verified at 128 and 256 bit under
 // qemu): Neoverse V1 (256 bit), V2/Grace (128 bit), A64FX (512 bit). Loops over head_size use
 // whilelt predicates, so any head_size works; a bf16 cache is widened with LD1H + LSL.
+// The panel GEMMs (gemm_f32, gemm_bf16) run the NEON micro-kernels of gemm_neon.inc (BFDOT for bf16
+// activations where the CPU has BF16, as V1 does): NEON is as wide as SVE at 128 bit (V2); an SVE
+// block for 256-bit vectors (V1) is not written.
 #include "kernel_common.h"
 
 #if defined(__aarch64__)
@@ -150,6 +153,9 @@ static inline void exp_vec(float* x, int64_t n) {
 static int vector_bits() { return (int)svcntw() * 32; }
 
 #include "w8g_neon.inc"
+
+#define AK_BGEMM_BFDOT 1
+#include "gemm_neon.inc"
 
 #define AK_VARIANT_NAME "sve"
 #include "kernels_impl.h"

@@ -143,6 +143,48 @@ static inline void exp_vec(float* x, int64_t n) {
 #include "w8g_x86.inc"
 #undef AK_W8G_VNNI
 
+// bf16-weight GEMM block (gemm_bf16 in kernels_impl.h): each 8-word load of a panel row gives 8
+// columns' weights for k = 2kk (word << 16) and k = 2kk + 1 (word & 0xffff0000), FMA'd with the
+// rows' broadcast activations. Rows go three at a time: 12 ymm accumulators of the 16.
+template <int R>
+static inline void bgemm_rows(const float* A, int64_t lda, const uint32_t* B, int64_t K2, float* C,
+                              const char* pf, int pf_per4) {
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+  const __m256i hm = _mm256_set1_epi32((int)0xffff0000u);
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    if (pf && (kk & 1) == 0) {
+      for (int i = 0; i < pf_per4; ++i) _mm_prefetch(pf + 64 * i, _MM_HINT_T1);
+      pf += 64 * pf_per4;
+    }
+    const uint32_t* b = B + kk * 32;
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 8 * c));
+      const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+      const __m256 hi = _mm256_castsi256_ps(_mm256_and_si256(w, hm));
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) {
+        acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(A + (int64_t)r * lda + 2 * kk), lo, acc[r][c]);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(A + (int64_t)r * lda + 2 * kk + 1), hi, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm256_store_ps(C + r * 32 + 8 * c, acc[r][c]);
+}
+
+#define AK_BGEMM_BLOCK 1
+template <int MR>
+static void bgemm_block(const float* A, int64_t lda, const uint32_t* B, int64_t K2, float* C,
+                        const char* pf, int pf_per4) {
+  int r = 0;
+  for (; r + 3 <= MR; r += 3, pf = nullptr) bgemm_rows<3>(A + r * lda, lda, B, K2, C + r * 32, pf, pf_per4);
+  if (MR - r == 2) bgemm_rows<2>(A + r * lda, lda, B, K2, C + r * 32, pf, pf_per4);
+  if (MR - r == 1) bgemm_rows<1>(A + r * lda, lda, B, K2, C + r * 32, pf, pf_per4);
+}
+
 #define AK_VARIANT_NAME "avx2"
 #include "kernels_impl.h"
 #undef AK_VARIANT_NAME

@@ -1,6 +1,7 @@
 // x86-64 AVX512F (+DQ/BW/VL) variant (Skylake-SP and later). head_size must be a multiple of 16.
 // gemm_w8g_a8 runs VPDPBUSD (w8g_x86.inc, its own target) only when the CPU has AVX512-VNNI,
-// else AVX2's VPMADDUBSW route.
+// else AVX2's VPMADDUBSW route. gemm_bf16 widens its bf16 weights in the portable block
+// (kernels_impl.h, auto-vectorized for AVX512).
 #include "kernel_common.h"
 
 #if defined(__x86_64__)
