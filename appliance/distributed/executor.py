@@ -368,6 +368,10 @@ class TPExecutor:
 
             if self.default_group and dist.is_initialized():
                 dist.destroy_process_group()
+                if self.communicator == "shm":
+                    from appliance.distributed.shm_allreduce import forget_groups
+
+                    forget_groups()
         self.comm = None
         cpus, nthreads = self._saved
         try:

@@ -1,4 +1,5 @@
-"""`appliance serve -tp 2`: the engine process (rank 0) starts its worker, a greedy completion equals
+"""`appliance serve -tp 2 --omp-threads-bind "a|b"`: the engine process (rank 0) starts its worker on
+its CPU list, a greedy completion equals
 the offline TP=1 engine's text, and a worker killed while the server runs turns the next request
 into an error naming the dead rank (the engine fails at once, nothing hangs)."""
 from __future__ import annotations
@@ -29,9 +30,11 @@ def _port() -> int:
 
 def test_serve_tp2_completes_and_fails_clearly_when_a_rank_dies(llama_dir):
     port = _port()
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    bind = f"{cpus[0]}|{cpus[1]}"  # one CPU list per rank
     log = tempfile.NamedTemporaryFile("w+", prefix="appliance-serve-tp-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", "serve", str(llama_dir), "--port", str(port),
-                             "-tp", "2", *FLAGS], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                             "-tp", "2", "--omp-threads-bind", bind, *FLAGS], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -57,6 +60,7 @@ def test_serve_tp2_completes_and_fails_clearly_when_a_rank_dies(llama_dir):
         family = psutil.Process(proc.pid).children(recursive=True)
         workers = [p for p in family if p.ppid() != proc.pid]
         assert len(workers) == 1, [(p.pid, p.ppid(), p.cmdline()[-1:]) for p in family]
+        assert workers[0].cpu_affinity() == [cpus[1]]  # rank 1 on its list
         os.kill(workers[0].pid, signal.SIGKILL)
         t0 = time.monotonic()
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
