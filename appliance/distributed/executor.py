@@ -251,6 +251,7 @@ class TPExecutor:
         finally:
             if daemonic:
                 proc_conf["daemon"] = daemonic
+        self._start_reaper()
         try:
             self._await("hello", STARTUP_TIMEOUT_S)
             self._apply_placement(placements[0])
@@ -267,6 +268,23 @@ class TPExecutor:
         self._store = store  # rank 0 serves the store: it lives as long as the group
         log.info("tensor parallel: %d ranks (%s), worker pids %s", n, self.communicator,
                  [p.pid for p in self.procs])
+
+    def _start_reaper(self) -> None:
+        """Reap each worker the moment it exits. Until its parent reaps it, a dead process is a
+        zombie that ``kill(pid, 0)`` still finds, and the shared-memory all-reduce, which watches
+        its peers that way, would wait for it until its timeout instead of failing at once."""
+        import threading
+        from multiprocessing.connection import wait
+
+        procs = list(self.procs)
+
+        def reap():
+            left = {p.sentinel: p for p in procs}
+            while left:
+                for s in wait(list(left)):
+                    left.pop(s).join(10)  # its pipe closes a moment before it can be reaped
+
+        threading.Thread(target=reap, name="appliance-tp-reaper", daemon=True).start()
 
     # -- rank 0's runner answers everything else
     def __getattr__(self, name):
