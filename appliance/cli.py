@@ -81,6 +81,9 @@ def serve(
         help="While decodes run, cap each step's new prefill tokens so the step stays within this latency: "
              "auto (2.5x the measured decode-only step; serve's default) | off | milliseconds.")] = None,
     num_threads: Annotated[Optional[int], Opt(help="Threads of the engine process (default: torch's).")] = None,
+    tensor_parallel_size: Annotated[Optional[int], Opt(
+        "--tensor-parallel-size", "-tp",
+        help="Ranks the model is sharded over (processes on this host, the CPUs split between them; default 1).")] = None,
     allocator: Annotated[Optional[str], Opt(
         help="malloc of the engine process: mimalloc (LD_PRELOAD) | glibc-tuned | system.")] = None,
     omp_threads_bind: Annotated[Optional[str], Opt(
@@ -185,6 +188,7 @@ def serve(
         device=a.device, gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
         data_parallel_size=a.data_parallel_size, distributed_executor_backend=a.distributed_executor_backend,
         kv_cache_dtype=a.kv_cache_dtype,
+        tensor_parallel_size=a.tensor_parallel_size,
     )
     try:
         engine_kwargs.update(vllm_compat.vllm_env_engine_kwargs(engine_kwargs))
@@ -258,6 +262,8 @@ def generate(
     speculative_config: Annotated[Optional[str], typer.Option(help=SPEC_HELP)] = None,
     kv_cache_dtype: Annotated[Optional[str], typer.Option(
         help="KV cache storage: auto | bfloat16 | fp8 | fp8_e4m3 | fp8_e5m2 | int8.")] = None,
+    tensor_parallel_size: Annotated[Optional[int], typer.Option(
+        "--tensor-parallel-size", "-tp", help="Ranks the model is sharded over (default 1).")] = None,
 ):
     """Generate from one prompt with the offline engine, streaming to the terminal."""
     from appliance.config import EngineConfig
@@ -268,7 +274,8 @@ def generate(
     engine_kwargs = dict(model=model, dtype=dtype, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                          block_size=block_size, attention_backend=attention_backend, linear_backend=linear_backend,
                          quantization=quantization, quant_group_size=quant_group_size, num_threads=num_threads,
-                         speculative_config=speculative_config, kv_cache_dtype=kv_cache_dtype)
+                         speculative_config=speculative_config, kv_cache_dtype=kv_cache_dtype,
+                         tensor_parallel_size=tensor_parallel_size)
     try:
         config = EngineConfig.from_kwargs(**{k: v for k, v in engine_kwargs.items() if v is not None or k == "model"})
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,

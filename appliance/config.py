@@ -79,6 +79,8 @@ class EngineConfig:
     distributed_executor_backend: str = "mp"
     # KV_CACHE_DTYPES: how the KV cache stores K and V (the engine runs on the model's dtype either way)
     kv_cache_dtype: str = "auto"
+    # --tensor-parallel-size / -tp (vLLM's name): ranks the model is sharded over (appliance.distributed)
+    tensor_parallel_size: int = 1
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -138,6 +140,20 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"--distributed-executor-backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}; "
                 f"got {self.distributed_executor_backend!r}", "distributed_executor_backend")
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1:
+            from appliance.runtime.threads import engine_cpus
+
+            cpus = len(engine_cpus())
+            if self.tensor_parallel_size > cpus:
+                raise InvalidRequestError(
+                    f"tensor_parallel_size must be at most the {cpus} CPUs available to this process (one rank "
+                    f"needs at least one), got {self.tensor_parallel_size}", "tensor_parallel_size")
+        if self.tensor_parallel_size > 1 and self.data_parallel_size > 1:
+            # each replica would need its own group of rank placements (dp x tp lists); not built yet
+            raise InvalidRequestError(
+                f"--tensor-parallel-size {self.tensor_parallel_size} with --data-parallel-size "
+                f"{self.data_parallel_size} is not supported: use one of them (the other at 1)", "data_parallel_size")
         from appliance.errors import ApplianceError
         from appliance.runtime.threads import check_rank_lists
 

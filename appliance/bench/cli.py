@@ -30,6 +30,7 @@ EngArgOpt = Annotated[Optional[list[str]], Opt("--engine-arg", "-e",
 JsonOpt = Annotated[Optional[Path], Opt("--json", help="Write the record (schema: `appliance bench schema`) here.")]
 PlotOpt = Annotated[Optional[Path], Opt("--plot", help="Write latency and throughput vs concurrency here (PNG).")]
 SeedOpt = Annotated[int, Opt(help="Seed of the random prompts.")]
+TpOpt = Annotated[Optional[int], Opt("--tensor-parallel-size", "-tp", help="Ranks the model is sharded over.")]
 
 
 @bench_app.callback()
@@ -141,12 +142,15 @@ def throughput(
     dtype: DtypeOpt = None, quantization: QuantOpt = None, max_num_seqs: SeqsOpt = None,
     max_num_batched_tokens: TokOpt = None, attention_backend: AttnOpt = None, linear_backend: LinOpt = None,
     num_threads: ThrOpt = None, engine_arg: EngArgOpt = None, seed: SeedOpt = 0, json_out: JsonOpt = None,
+    tensor_parallel_size: TpOpt = None,
 ):
     """Offline: N prompts through the engine; requests/s and input/output tokens/s."""
     from appliance.bench.offline import run_throughput, workload
 
     kw = _engine_kwargs(dtype, quantization, max_num_seqs, max_num_batched_tokens, attention_backend,
                         linear_backend, num_threads, engine_arg)
+    if tensor_parallel_size is not None:
+        kw["tensor_parallel_size"] = tensor_parallel_size
     llm = _load_llm(model, kw)
     prompts = workload(llm.engine, num_prompts, input_len, str(dataset) if dataset else None, seed)
     res = run_throughput(llm, prompts, output_len)
@@ -162,12 +166,15 @@ def latency(
     dtype: DtypeOpt = None, quantization: QuantOpt = None, max_num_seqs: SeqsOpt = None,
     max_num_batched_tokens: TokOpt = None, attention_backend: AttnOpt = None, linear_backend: LinOpt = None,
     num_threads: ThrOpt = None, engine_arg: EngArgOpt = None, seed: SeedOpt = 0, json_out: JsonOpt = None,
+    tensor_parallel_size: TpOpt = None,
 ):
     """Offline: one batch; time to first token and per-token latency, mean/p50/p90/p99 over repeats."""
     from appliance.bench.offline import run_latency
 
     kw = _engine_kwargs(dtype, quantization, max_num_seqs, max_num_batched_tokens, attention_backend,
                         linear_backend, num_threads, engine_arg)
+    if tensor_parallel_size is not None:
+        kw["tensor_parallel_size"] = tensor_parallel_size
     llm = _load_llm(model, kw)
     res = run_latency(llm, batch_size, input_len, output_len, repeats, seed)
     _finish("latency", dict(model=model, batch_size=batch_size, input_len=input_len, output_len=output_len,
@@ -304,6 +311,7 @@ def profile(
     dtype: DtypeOpt = None, quantization: QuantOpt = None, max_num_seqs: SeqsOpt = None,
     max_num_batched_tokens: TokOpt = None, attention_backend: AttnOpt = None, linear_backend: LinOpt = None,
     num_threads: ThrOpt = None, engine_arg: EngArgOpt = None, seed: SeedOpt = 0, json_out: JsonOpt = None,
+    tensor_parallel_size: TpOpt = None,
 ):
     """Where the time goes (torch.profiler): linear, attention, norms, sampling, scheduler, detokenize, Python."""
     from appliance.bench.common import random_token_prompts
@@ -311,6 +319,8 @@ def profile(
 
     kw = _engine_kwargs(dtype, quantization, max_num_seqs, max_num_batched_tokens, attention_backend,
                         linear_backend, num_threads, engine_arg)
+    if tensor_parallel_size is not None:
+        kw["tensor_parallel_size"] = tensor_parallel_size
     llm = _load_llm(model, kw)
     prompts = random_token_prompts(num_prompts, input_len, llm.engine.vocab_size, seed)
     res = run_profile(llm, prompts, output_len, str(trace) if trace else None)

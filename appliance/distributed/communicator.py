@@ -82,6 +82,17 @@ def register_communicator(name: str, factory: Callable[..., Communicator]) -> No
     _FACTORIES[name] = factory
 
 
+def communicator_names() -> tuple[str, ...]:
+    """The communicators that can be made here: the registered ones and "shm" when its module
+    imports (it registers itself on import)."""
+    if "shm" not in _FACTORIES:
+        try:
+            import appliance.distributed.shm_allreduce  # noqa: F401
+        except ImportError:
+            pass
+    return tuple(sorted(_FACTORIES))
+
+
 def make_communicator(name: str, group: dist.ProcessGroup | None, rank: int, world_size: int) -> Communicator:
     if name == "shm" and name not in _FACTORIES:
         import appliance.distributed.shm_allreduce  # noqa: F401  (registers itself)

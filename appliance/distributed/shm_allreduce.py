@@ -209,6 +209,14 @@ class ShmSegment:
 _instances: dict[str, int] = {}  # process group name -> communicators made on it so far
 
 
+def forget_groups() -> None:
+    """After ``torch.distributed.destroy_process_group()``: the next groups reuse the names ("0", ...)
+    with new ranks (a fresh process on the other side counts from 0), so this process's counts must
+    restart too (``appliance.distributed.executor`` calls it when it ends its default group)."""
+    with _lib_lock:
+        _instances.clear()
+
+
 class ShmCommunicator(GlooCommunicator):
     """The native shared-memory all-reduce within one host; gloo for everything else (see module doc).
     Collective calls on one communicator come from one thread at a time (each is a step of the

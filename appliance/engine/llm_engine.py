@@ -132,7 +132,14 @@ class LLMEngine:
         except Exception as e:  # tokenizers raise many types for missing/corrupt files
             raise ModelLoadError(f"{config.tokenizer or self.model_path}: cannot load tokenizer ({e})") from e
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.runner = ModelRunner(config, self.info, self.dtype, self.max_model_len, self.device, self.pooler_config)
+        if config.tensor_parallel_size > 1:  # rank 0 drives the other ranks; the rest of the engine is unchanged
+            from appliance.distributed.executor import TPExecutor
+
+            self.runner = TPExecutor(config, self.info, self.dtype, self.max_model_len, self.device,
+                                     self.pooler_config)
+        else:
+            self.runner = ModelRunner(config, self.info, self.dtype, self.max_model_len, self.device,
+                                      self.pooler_config)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  self.runner.sliding_window)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,

@@ -10,6 +10,7 @@ import psutil
 import torch
 
 from appliance.config import EngineConfig
+from appliance.distributed.parallel_state import get_tp_group
 from appliance.engine.cuda_graphs import DecodeGraphRunner, cuda_graph_capture
 from appliance.engine.device import activation_reserve_bytes, check_dtype_on_device, gpu_kv_budget_bytes
 from appliance.engine.scheduler import SchedulerOutput
@@ -58,7 +59,9 @@ class ModelRunner:
         self.linear_groups = {g: ",".join(sorted(b)) for g, b in groups.items()}
         cfg = self.model.config
         self.num_layers = cfg.num_hidden_layers
-        self.num_kv_heads, self.head_size = cfg.num_key_value_heads, cfg.head_dim
+        # a tensor-parallel rank's cache holds its share of the KV heads (appliance.distributed)
+        self.num_kv_heads = cfg.num_key_value_heads // get_tp_group().world_size
+        self.head_size = cfg.head_dim
         self.vocab_size = cfg.vocab_size
         # When every layer is windowed, the largest window: blocks before it are read by no layer,
         # and the engine frees them. None when some layer attends to everything (or no windows).

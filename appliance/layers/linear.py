@@ -38,6 +38,8 @@ class LinearBase(nn.Module):
     """What select_backends needs from a linear layer (float ``Linear``, ``quant.QuantLinear``)."""
 
     method: LinearMethod | None = None  # the layer's linear method (set_backend), None before one is set
+    # tensor parallelism (appliance.layers.parallel): "column" | "row" | "vocab", None when unsharded
+    tp_mode: str | None = None
 
     @property
     def backend(self) -> str:
@@ -69,8 +71,13 @@ class LinearBase(nn.Module):
 
 class Linear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 shards: dict[str, tuple[int, int]] | None = None):
+                 shards: dict[str, tuple[int, int]] | None = None, tp: str | None = None):
+        """Full (checkpoint) sizes; ``tp`` shards the layer over the tensor-parallel group it is built
+        in (``appliance.layers.parallel``): it then holds this rank's part only."""
         super().__init__()
+        from appliance.layers import parallel
+
+        in_features, out_features, shards = parallel.setup(self, tp, in_features, out_features, shards)
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
@@ -90,9 +97,12 @@ class Linear(LinearBase):
         load_float_linear(self, param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return self.method.apply(self.packed, x)
+        y = F.linear(x, self.weight, self.bias) if self.packed is None else self.method.apply(self.packed, x)
+        if self.tp_mode is not None:
+            from appliance.layers.parallel import finish
+
+            return finish(self, y)
+        return y
 
     @property
     def fused_silu_mul(self) -> bool:

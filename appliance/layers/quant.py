@@ -180,6 +180,9 @@ class QuantLinear(LinearBase):
     def from_float(cls, lin: nn.Module, scheme: str, group_size: int | None) -> QuantLinear:
         w = lin.weight.data
         q = cls(lin.in_features, lin.out_features, scheme, group_size, lin.bias is not None, dict(lin.shards))
+        from appliance.layers.parallel import inherit
+
+        inherit(q, lin)  # a rank's part quantized as it is (its sizes are the part's already)
         if scheme == "w8a8":
             q.qweight.data, q.weight_scale.data = quantize_int8(w)
         else:
@@ -261,7 +264,12 @@ class QuantLinear(LinearBase):
             y = run(self.backend, self.packed, x.reshape(-1, self.in_features), self.out_features, self.in_features)
         if self.bias is not None:
             y = y + self.bias.float()
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        if self.tp_mode is not None:
+            from appliance.layers.parallel import finish
+
+            return finish(self, y)
+        return y
 
     def fused_descriptor(self):
         # as forward applies it: the method's kernel, then the bias in float32, cast to x's dtype

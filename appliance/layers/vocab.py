@@ -24,10 +24,52 @@ from torch import nn
 class VocabEmbedding(nn.Embedding):
     """``nn.Embedding`` without its random initialisation: its table always comes from a checkpoint,
     and on the meta device (where models are built) ``nn.init.normal_`` runs through torch's
-    decompositions, whose first use imports ``torch._dynamo``: 5-7 s of every start-up here."""
+    decompositions, whose first use imports ``torch._dynamo``: 5-7 s of every start-up here.
+
+    ``tp=True``: vocabulary-parallel in the tensor-parallel group it is built in (``appliance.layers.parallel``):
+    the rank holds rows ``[vocab_start, vocab_start + num_embeddings)``, looks up the ids it holds, zeroes the
+    others' rows and sums over ranks (each id's row comes from exactly one rank, plus zeros: exact)."""
+
+    shards: dict = {}  # none; what appliance.layers.parallel's row cutting reads
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: bool = False):
+        from appliance.layers import parallel
+
+        holder = _TPHolder()
+        _, local, _ = parallel.setup(holder, "vocab" if tp else None, embedding_dim, num_embeddings, None)
+        super().__init__(local, embedding_dim)
+        self.tp_mode, self.tp_group = holder.tp_mode, holder.tp_group
+        self.vocab_start = self.tp_group.rank * local if self.tp_mode else 0
 
     def reset_parameters(self) -> None:
         pass
+
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id: str | None = None) -> None:
+        """The rank's rows of the table (all of it outside tensor parallelism)."""
+        from appliance.layers.weight_loading import _rank_part, default_weight_loader
+
+        default_weight_loader(param, _rank_part(self, param, loaded, shard_id), shard_id)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_lookup(self, input_ids, super().forward)
+
+
+class _TPHolder:
+    """What ``parallel.setup`` sets before ``nn.Module.__init__`` may set attributes."""
+
+    tp_mode = None
+    tp_group = None
+
+
+def vocab_parallel_lookup(layer, input_ids: torch.Tensor, lookup) -> torch.Tensor:
+    """``lookup(ids)`` of an embedding that may hold only a slice of the vocabulary (``tp_mode``)."""
+    if getattr(layer, "tp_mode", None) is None:
+        return lookup(input_ids)
+    start = layer.vocab_start
+    inside = (input_ids >= start) & (input_ids < start + layer.num_embeddings)
+    rows = lookup(torch.where(inside, input_ids - start, 0))
+    rows.masked_fill_(~inside.unsqueeze(-1), 0)
+    return layer.tp_group.communicator.all_reduce_(rows)
 
 
 class QuantEmbedding(nn.Module):
@@ -64,7 +106,13 @@ class QuantEmbedding(nn.Module):
 
         load_quant_linear(self, param, loaded, shard_id)
 
+    tp_mode = None  # set by the loader (parallel.inherit) for a vocabulary-parallel table
+    vocab_start = 0
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_lookup(self, input_ids, self._lookup)
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
         if self.qweight.numel() == 0:  # released: the tied head's packed form holds the table
             head = self._rows_from
@@ -113,5 +161,8 @@ def tied_lm_head(embedding: nn.Module) -> nn.Module:
         head = Linear(w.shape[1], w.shape[0])
         head.weight = w
         head.keep_weight = True
+    from appliance.layers.parallel import inherit
+
+    inherit(head, embedding)  # a vocabulary-parallel table: the head's logits are this rank's slice, gathered
     embedding.__dict__["_tied_head"] = head
     return head

@@ -76,6 +76,15 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str = "") -> None:
     dst.copy_(src)
 
 
+def _rank_part(module, param, loaded, shard_id):
+    """This tensor-parallel rank's part of ``loaded`` (``appliance.layers.parallel.rank_part``)."""
+    if getattr(module, "tp_mode", None) is None:
+        return loaded
+    from appliance.layers.parallel import rank_part
+
+    return rank_part(module, param, loaded, shard_id)
+
+
 def default_weight_loader(param: torch.Tensor, loaded, shard_id: str | None = None) -> None:
     """Whole-tensor copy (embeddings, norms); a quantized record is dequantized (an embedding or a
     norm is always float)."""
@@ -89,6 +98,7 @@ def default_weight_loader(param: torch.Tensor, loaded, shard_id: str | None = No
 def load_float_linear(module, param: torch.Tensor, loaded, shard_id: str | None) -> None:
     """``Linear``: weight or bias rows of shard ``shard_id``. A quantized record arriving at a float
     layer (a fused layer whose shards differ in scheme, an ignored layer) is dequantized in fp32."""
+    loaded = _rank_part(module, param, loaded, shard_id)
     if isinstance(loaded, QuantizedWeight):
         loaded = loaded.dequantize()
     copy_checked(shard_rows(module, param, shard_id), loaded)
@@ -97,6 +107,7 @@ def load_float_linear(module, param: torch.Tensor, loaded, shard_id: str | None)
 def load_quant_linear(module, param: torch.Tensor, loaded, shard_id: str | None) -> None:
     """``QuantLinear``: a ``QuantizedWeight`` fills qweight, scale and zero point rows of the shard
     (a symmetric record leaves the zero point at 0); a float tensor is the bias."""
+    loaded = _rank_part(module, param, loaded, shard_id)
     if not isinstance(loaded, QuantizedWeight):
         if param is not module.bias:
             raise WeightLoadError(f"is a float tensor ({loaded.dtype}), expected {module.scheme} quantized weights")

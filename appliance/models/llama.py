@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from appliance.distributed.parallel_state import get_tp_group
+from appliance.errors import ModelLoadError
 from appliance.layers.attention import Attention, layer_sliding_windows
 from appliance.layers.linear import Linear
 from appliance.layers.norm import RMSNorm
@@ -116,14 +118,18 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer_idx: int):
         super().__init__()
         d = cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        # tensor parallel: each rank holds num_heads / tp query heads and num_kv_heads / tp KV heads
+        # (the projections are built with the full sizes and keep their rank's part)
+        tp = get_tp_group().world_size
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp, d
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias, shards={
-            "q_proj": (0, self.q_size),
-            "k_proj": (self.q_size, self.kv_size),
-            "v_proj": (self.q_size + self.kv_size, self.kv_size),
-        })
-        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        q_full, kv_full = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        self.qkv_proj = Linear(cfg.hidden_size, q_full + 2 * kv_full, bias=cfg.qkv_bias, shards={
+            "q_proj": (0, q_full),
+            "k_proj": (q_full, kv_full),
+            "v_proj": (q_full + kv_full, kv_full),
+        }, tp="column")
+        self.o_proj = Linear(q_full, cfg.hidden_size, tp="row")
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -150,9 +156,9 @@ class MLP(nn.Module):
         super().__init__()
         i = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * i, bias=cfg.mlp_bias,
-                                   shards={"gate_proj": (0, i), "up_proj": (i, i)})
+                                   shards={"gate_proj": (0, i), "up_proj": (i, i)}, tp="column")
         self.gate_up_proj.silu_mul_next = True
-        self.down_proj = Linear(i, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(i, cfg.hidden_size, bias=cfg.mlp_bias, tp="row")
 
     def forward(self, ops, x):
         gu = self.gate_up_proj
@@ -183,7 +189,7 @@ class DecoderLayer(nn.Module):
 class Model(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp=True)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -197,9 +203,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
+        self.tp_group = get_tp_group()
+        check_tp_sizes(cfg, self.tp_group.world_size)
         self.model = Model(cfg)
         if not cfg.tie_word_embeddings and cfg.has_lm_head:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, tp="vocab")
         self.rotary: Rotary | None = None
         self.ops = None
 
@@ -233,6 +241,10 @@ class LlamaForCausalLM(nn.Module):
         table, head_dim a multiple of 16."""
         ops = self.ops
         if not getattr(ops, "FUSED_LAYERS", False) or not hasattr(ops, "llama_layers"):
+            return None
+        if self.tp_group.is_parallel:
+            # the one-call native stack cannot all-reduce between its row-parallel projections and
+            # the next layer (yet): tensor-parallel ranks run the per-op path
             return None
         from appliance.layers.forward_context import get_forward_context
 
@@ -302,6 +314,27 @@ class LlamaForCausalLM(nn.Module):
         if not self.config.has_lm_head and not name.startswith(("model.", "lm_head.")):
             name = "model." + name  # a saved bare *Model (embedding checkpoints) has no "model." prefix
         return fused_param_for(name)
+
+
+# tensor-parallel support: the architectures of this file shard (appliance.distributed)
+supports_tensor_parallel = True
+
+
+def check_tp_sizes(cfg: LlamaConfig, tp: int) -> None:
+    """Refuse a tensor-parallel size that does not split the heads, the MLP or the vocabulary evenly."""
+    if tp == 1:
+        return
+    sizes = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+             "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size}
+    bad = {k: v for k, v in sizes.items() if v % tp}
+    if bad:
+        import math
+
+        g = math.gcd(*sizes.values())
+        valid = [n for n in range(1, g + 1) if g % n == 0]
+        raise ModelLoadError(f"tensor_parallel_size={tp} does not divide the model's "
+                             + ", ".join(f"{k}={v}" for k, v in bad.items())
+                             + f"; valid sizes for this model: {', '.join(map(str, valid))}")
 
 
 def fused_param_for(name: str) -> tuple[str, str | None]:

@@ -234,8 +234,13 @@ def build_model_for(info: ModelInfo, source, device: torch.device) -> torch.nn.M
                 q = QuantLinear(mod.in_features, mod.out_features, scheme, group, mod.bias is not None,
                                 dict(mod.shards), w8_groups=scheme == "w8a8" and group is not None)
             except ValueError as e:
+                tp = (f" (this rank's part at tensor_parallel_size={mod.tp_group.world_size}; groups must not "
+                      f"straddle ranks)" if getattr(mod, "tp_mode", None) == "row" else "")
                 raise ModelLoadError(f"{source.path}: tensor {parts[0]!r}: group size {group} (from the checkpoint's "
-                                     f"quantization config) does not divide the input size {mod.in_features}") from e
+                                     f"quantization config) does not divide the input size {mod.in_features}{tp}") from e
+            from appliance.layers.parallel import inherit
+
+            inherit(q, mod)
             setattr(model.get_submodule(parent) if parent else model, leaf, q)
     model = model.to_empty(device=device)
     for m in model.modules():  # symmetric checkpoints carry no zero points
@@ -254,6 +259,10 @@ def _quantized_embedding(model, name: str, mod, form: tuple[str, int | None], pa
         q = QuantEmbedding(mod.num_embeddings, mod.embedding_dim, scheme, group or mod.embedding_dim)
     except ValueError as e:
         raise ModelLoadError(f"{path}: tensor {name + '.weight'!r}: {e}") from e
+    from appliance.layers.parallel import inherit
+
+    inherit(q, mod)  # a vocabulary-parallel table: the rank's rows
+    q.vocab_start = getattr(mod, "vocab_start", 0)
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, q)
 

@@ -54,3 +54,14 @@ def is_pooling_architecture(architecture: str) -> bool:
 
 def build_model(architecture: str, hf_config: dict) -> nn.Module:
     return _REGISTRY[architecture].build(architecture, hf_config)
+
+
+def tensor_parallel_architectures() -> list[str]:
+    """Architectures whose family module shards over tensor-parallel ranks (``supports_tensor_parallel``)."""
+    return sorted(a for a, m in _REGISTRY.items() if getattr(m, "supports_tensor_parallel", False))
+
+
+def family_config(architecture: str, hf_config: dict):
+    """The family's parsed config of ``hf_config`` (``LlamaConfig`` for llama.py's architectures)."""
+    mod = _REGISTRY[architecture]
+    return mod.LlamaConfig.from_hf(hf_config, mod.ARCHS[architecture])

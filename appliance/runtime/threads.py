@@ -223,6 +223,14 @@ def thread_affinities(pid: int | str = "self") -> dict[int, str]:
     return out
 
 
+def engine_cpus() -> list[int]:
+    """The CPUs this engine process may use: its ``OMP_PLACES`` when it was started with one (the
+    server's engine process: libgomp has bound the main thread to the first place once torch
+    loaded, so the affinity mask shows one CPU), else its affinity mask."""
+    import re
+
+    cpus = [int(c) for c in re.findall(r"\{(\d+)\}", os.environ.get("OMP_PLACES", ""))]
+    return sorted(set(cpus)) if cpus else sorted(os.sched_getaffinity(0))
 # ---- one placement per rank (tensor / data parallel) ------------------------------------------------
 
 
@@ -364,3 +372,19 @@ def memory_policy() -> tuple[int, list[int]] | None:
     if libc.syscall(nr, ctypes.byref(mode), mask, ctypes.c_ulong(16 * 64), None, ctypes.c_ulong(0)) != 0:
         return None
     return mode.value, [i for i in range(16 * 64) if mask[i // 64] >> (i % 64) & 1]
+
+
+def engine_placement(spec: str, num_threads: int | None, tensor_parallel_size: int = 1) -> Placement:
+    """The engine process's placement. With tensor parallelism the engine process is rank 0 and
+    starts the other ranks, so it gets every rank's CPUs (``resolve_ranks``, rank 0's first: its
+    OpenMP threads take the first places); each rank then narrows itself to its own
+    (``appliance.distributed.executor``)."""
+    if tensor_parallel_size <= 1:
+        return resolve(spec, num_threads)
+    ranks = resolve_ranks(spec, tensor_parallel_size, num_threads)
+    if any(p.cpus is None for p in ranks):  # nobind
+        return Placement(sum(p.num_threads for p in ranks), None, None, spec)
+    cpus = tuple(c for p in ranks for c in p.cpus)
+    nodes = {p.numa_node for p in ranks}
+    return Placement(len(cpus), cpus, nodes.pop() if len(nodes) == 1 else None, spec,
+                     tuple(w for p in ranks for w in p.warnings))

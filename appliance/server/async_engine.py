@@ -144,7 +144,8 @@ class AsyncEngineClient:
 
         # Placement is resolved here: once libgomp loads with OMP_PLACES it pins the child's main
         # thread, so the child could no longer see the CPUs it may use.
-        placement = self.placement or threads.resolve(self.config.omp_threads_bind, self.config.num_threads)
+        placement = self.placement or threads.engine_placement(
+            self.config.omp_threads_bind, self.config.num_threads, self.config.tensor_parallel_size)
         env = worker_env(self.config.allocator, placement=placement)
         self._proc = ctx.Process(target=run_engine_core, name=self.name,
                                  args=(self.config, in_r, out_w, self.log_level, placement), daemon=True)

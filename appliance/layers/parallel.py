@@ -1,0 +1,123 @@
+"""Tensor-parallel sharding of linear layers and the vocabulary (Megatron's split, as vLLM does it).
+
+A layer is built with its full (checkpoint) sizes and a ``tp`` mode; in a tensor-parallel group
+(``appliance.distributed.parallel_state``) it holds only this rank's part:
+
+- ``column``: output rows split (q/k/v by heads, gate/up, each shard of a fused weight split
+  alike); the output stays split: the next layer is row-parallel (or attention over local heads).
+- ``row``: input columns split; each rank's partial product is summed by an all-reduce. A bias is
+  held by rank 0 only (the others hold zeros), so the sum adds it once.
+- ``vocab``: the logits projection, output rows split by vocabulary; the logits are gathered.
+
+The rank's part is cut in the per-parameter weight loaders (``rank_part``), so every weight source
+(safetensors, compressed-tensors, AWQ/GPTQ, GGUF) shards alike, float or quantized. Quantized
+row-parallel layers split on group boundaries (a group size that does not divide the rank's part
+of the input is refused at load); per-channel scales are whole on every rank. Note that A8 methods
+quantize activations per token over the rank's slice of the input: a row-parallel W8A8 layer under
+TP is the sum of per-rank A8 products, not bit-identical to the unsharded one (as in vLLM).
+"""
+from __future__ import annotations
+
+import torch
+
+from appliance.distributed.parallel_state import TPGroup, get_tp_group
+
+TP_MODES = ("column", "row", "vocab")
+
+
+def setup(layer, mode: str | None, in_features: int, out_features: int,
+          shards: dict[str, tuple[int, int]] | None) -> tuple[int, int, dict[str, tuple[int, int]]]:
+    """Set ``layer.tp_mode`` / ``layer.tp_group`` from the current group and return this rank's
+    (in_features, out_features, shards). ``shards`` are the full (checkpoint) row ranges; each one
+    is split alike, so shard offsets are the full ones divided by the group size."""
+    if mode is not None and mode not in TP_MODES:
+        raise ValueError(f"tp must be one of {', '.join(TP_MODES)} or None; got {mode!r}")
+    group = get_tp_group() if mode else TPGroup()
+    layer.tp_mode, layer.tp_group = (mode if group.is_parallel else None), group
+    shards = dict(shards or {})
+    if not group.is_parallel:
+        return in_features, out_features, shards
+    n = group.world_size
+    if mode == "row":
+        return group.shard(in_features, "the layer's input size")[1], out_features, shards
+    for name, (off, rows) in shards.items():
+        group.shard(rows, f"the rows of {name}")
+    shards = {name: (off // n, rows // n) for name, (off, rows) in shards.items()}
+    return in_features, group.shard(out_features, "the layer's output size")[1], shards
+
+
+def inherit(dst, src) -> None:
+    """``dst`` (a layer swapped in for ``src`` with ``src``'s local sizes) takes its sharding."""
+    dst.tp_mode, dst.tp_group = getattr(src, "tp_mode", None), getattr(src, "tp_group", TPGroup())
+
+
+def finish(layer, y: torch.Tensor) -> torch.Tensor:
+    """The layer's output as the next layer needs it: summed over ranks (row), gathered (vocab)."""
+    mode = layer.tp_mode
+    if mode == "row":
+        return layer.tp_group.communicator.all_reduce_(y)
+    if mode == "vocab":
+        return layer.tp_group.communicator.all_gather(y, dim=-1)
+    return y
+
+
+def _rows(t: torch.Tensor, layer, shard_id: str | None) -> torch.Tensor:
+    """This rank's rows of a column-split checkpoint tensor (its shard ``shard_id`` or, for a
+    fused tensor stored whole, every shard's part, in the layer's order)."""
+    g = layer.tp_group
+    if shard_id is None and layer.shards:
+        parts = [t.narrow(0, off * g.world_size + g.rank * rows, rows) for off, rows in layer.shards.values()]
+        return torch.cat(parts, dim=0)
+    rows = layer.shards[shard_id][1] if shard_id is not None else t.shape[0] // g.world_size
+    if t.shape[0] != rows * g.world_size:
+        from appliance.layers.weight_loading import WeightLoadError
+
+        raise WeightLoadError(f"has {t.shape[0]} rows, expected {rows * g.world_size} "
+                              f"(split over tensor_parallel_size={g.world_size})")
+    return t.narrow(0, g.rank * rows, rows)
+
+
+def _cols(t: torch.Tensor, layer, k_full: int) -> torch.Tensor:
+    g = layer.tp_group
+    if t.shape[-1] != k_full:
+        from appliance.layers.weight_loading import WeightLoadError
+
+        raise WeightLoadError(f"has {t.shape[-1]} input columns, expected {k_full} "
+                              f"(split over tensor_parallel_size={g.world_size})")
+    k = k_full // g.world_size
+    return t.narrow(-1, g.rank * k, k)
+
+
+def rank_part(layer, param: torch.Tensor, loaded, shard_id: str | None):
+    """This rank's part of a checkpoint value (a float tensor or a ``QuantizedWeight``) for
+    ``param`` of ``layer``; the value itself outside tensor parallelism."""
+    from appliance.layers.weight_loading import QuantizedWeight, WeightLoadError
+
+    mode = getattr(layer, "tp_mode", None)
+    if mode is None:
+        return loaded
+    g = layer.tp_group
+    if mode in ("column", "vocab"):
+        if isinstance(loaded, QuantizedWeight):
+            zp = loaded.zero_point
+            return QuantizedWeight(_rows(loaded.qweight, layer, shard_id), _rows(loaded.scale, layer, shard_id),
+                                   None if zp is None else _rows(zp, layer, shard_id), loaded.group_size,
+                                   loaded.scheme)
+        return _rows(loaded, layer, shard_id)
+    # row: split the input dimension; a bias (1-D) is added once, by rank 0
+    if not isinstance(loaded, QuantizedWeight):
+        if loaded.dim() == 1:
+            return loaded if g.rank == 0 else torch.zeros_like(loaded)
+        return _cols(loaded, layer, layer.in_features * g.world_size)
+    k_full = layer.in_features * g.world_size
+    k = layer.in_features
+    q = _cols(loaded.qweight, layer, k_full)
+    if loaded.scale.shape[1] == 1:  # one scale per output channel: every rank holds it whole
+        return QuantizedWeight(q, loaded.scale, loaded.zero_point, k, loaded.scheme)
+    if k % loaded.group_size:
+        raise WeightLoadError(f"has groups of {loaded.group_size} inputs, which do not split at "
+                              f"tensor_parallel_size={g.world_size} (each rank's {k} inputs must hold whole groups)")
+    zp = loaded.zero_point
+    ng = k // loaded.group_size
+    cut = lambda t: t.narrow(1, g.rank * ng, ng)  # noqa: E731
+    return QuantizedWeight(q, cut(loaded.scale), None if zp is None else cut(zp), loaded.group_size, loaded.scheme)

@@ -1,0 +1,71 @@
+"""Quantized models at TP=2 against TP=1: a GGUF kept quantized (Q8_0 projections and a Q8_0
+embedding tied to the lm_head: a vocabulary-parallel ``QuantEmbedding`` and quantized head) and a
+float checkpoint quantized to W8A8 at load. Column-parallel layers hold exactly TP=1's rows; the
+row-parallel ones quantize activations per token over each rank's slice of the input (and, for W8A8
+quantized at load, take per-channel scales of their slice), so TP=2 is not TP=1 to 1e-4. What is
+checked: TP=2 is as close to the float model (the same weights dequantized, float activations) as
+TP=1 is, within 1.5x, and within 5% of TP=1 (a wrong slice or a missed all-reduce is 100%)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf_files import tokenizer_vocab, write_llama_gguf
+from helpers import engine_logits
+
+from appliance import LLM
+from appliance.layers.quant import QuantLinear
+from appliance.layers.vocab import QuantEmbedding
+
+KW = dict(dtype="float32", num_kv_blocks=32, max_model_len=128)
+IDS = list(range(3, 40))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _assert_close_as_tp1(what, got, want, flt):
+    tp, q1, q2 = _rel(got, want), _rel(want, flt), _rel(got, flt)
+    print(f"{what}: logits relative to float: TP=1 {q1:.2e}, TP=2 {q2:.2e}; TP=2 vs TP=1 {tp:.2e}")
+    assert q1 > 1e-3  # quantized for real
+    assert q2 <= 1.5 * q1 and tp < 0.05, (q1, q2, tp)
+
+
+def _pair(path, **kw):
+    """(the TP=2 LLM, its logits, TP=1's, the float model's)."""
+    ref = LLM(str(path), **KW)
+    flt = engine_logits(ref, IDS)
+    del ref
+    one = LLM(str(path), **KW, **kw)
+    want = engine_logits(one, IDS)
+    del one
+    two = LLM(str(path), tensor_parallel_size=2, **KW, **kw)
+    try:
+        return two, engine_logits(two, IDS), want, flt
+    finally:
+        two.engine.runner.close()
+
+
+def test_gguf_q8_0_with_a_tied_quantized_vocabulary(tmp_path):
+    layers = 2
+    types = {"token_embd.weight": "Q8_0"}
+    for i in range(layers):
+        for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            types[f"blk.{i}.{t}.weight"] = "Q8_0"
+    vocab = tokenizer_vocab()
+    path = write_llama_gguf(tmp_path / "q8.gguf", vocab, types, layers=layers, hidden=128, ffn=256, n_head=4, n_kv=2)
+    two, got, want, flt = _pair(path, quantization="gguf")
+    model = two.engine.runner.model
+    emb = model.model.embed_tokens
+    assert isinstance(emb, QuantEmbedding) and emb.tp_mode == "vocab"
+    assert emb.num_embeddings == len(vocab["tokens"]) // 2 and isinstance(model.lm_head, QuantLinear)
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down, QuantLinear) and down.tp_mode == "row" and down.in_features == 128
+    _assert_close_as_tp1("GGUF Q8_0", got, want, flt)
+
+
+def test_w8a8_quantized_at_load(llama_dir):
+    two, got, want, flt = _pair(llama_dir, quantization="w8a8")
+    qkv = two.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantLinear) and qkv.tp_mode == "column" and qkv.out_features == (64 + 2 * 32) // 2
+    _assert_close_as_tp1("W8A8", got, want, flt)
