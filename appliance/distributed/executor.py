@@ -108,12 +108,15 @@ def kv_blocks(config, info, dtype: torch.dtype) -> int:
 # ------------------------------------------------------------------ the schedule on the wire
 
 def encode_schedule(sched, plp_rows, kind: str = "execute") -> bytes:
-    """A step as plain ints: per scheduled request (first position, tokens, block ids, length), and
+    """A step as plain ints: per scheduled request (first position, tokens, block ids, length, the
+    speculative drafts scheduled after them), and
     the batch rows whose prompt logprobs rank 0 computes (the logits gather needs every rank)."""
     reqs = []
     for req, n in sched.scheduled:
         start = req.num_computed_tokens
-        reqs.append((start, req.all_token_ids[start:start + n], list(req.block_ids), req.num_tokens))
+        num_spec = start + n - req.num_tokens  # > 0: speculative drafts follow the known tokens
+        reqs.append((start, req.all_token_ids[start:start + n], list(req.block_ids), req.num_tokens,
+                     list(req.spec_token_ids[:num_spec]) if num_spec > 0 else []))
     return pickle.dumps((kind, reqs, sched.num_batched_tokens, sorted(plp_rows or ())),
                         protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -133,17 +136,19 @@ class _Window:
 class _WireRequest:
     """What ``ModelRunner._inputs`` reads of a request."""
 
-    __slots__ = ("num_computed_tokens", "all_token_ids", "block_ids", "num_tokens")
+    __slots__ = ("num_computed_tokens", "all_token_ids", "block_ids", "num_tokens", "spec_token_ids")
 
-    def __init__(self, start, ids, block_ids, num_tokens):
+    def __init__(self, start, ids, block_ids, num_tokens, spec_token_ids):
         self.num_computed_tokens, self.all_token_ids = start, _Window(start, ids)
         self.block_ids, self.num_tokens = block_ids, num_tokens
+        # every rank computes logits at the same rows (the vocab-parallel gather needs it)
+        self.spec_token_ids = spec_token_ids
 
 
 def decode_schedule(reqs, num_batched_tokens):
     from appliance.engine.scheduler import SchedulerOutput
 
-    return SchedulerOutput([(_WireRequest(*r), len(r[1])) for r in reqs], num_batched_tokens)
+    return SchedulerOutput([(_WireRequest(*r), len(r[1]) + len(r[4])) for r in reqs], num_batched_tokens)
 
 
 # ------------------------------------------------------------------ the worker process

@@ -125,3 +125,21 @@ def test_tp2_prompt_logprobs_equal_tp1(engines):
         assert x.keys() == y.keys()
         for t in x:
             assert abs(x[t] - y[t]) < 1e-4
+
+
+def test_tp2_with_ngram_speculation_equals_tp1(engines):
+    """Drafts travel to every rank (the vocab-parallel gather needs the same logits rows on each):
+    TP=2 verifying n-gram drafts gives TP=1's greedy tokens, with drafts accepted."""
+    path, tp1, tp2 = engines
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    # one TP engine per process at a time (torch.distributed's default group; rank 0 pins this process):
+    # this test runs last for each model, so the module's TP=2 engine is closed first
+    tp2.runner.close()
+    tp2s = LLMEngine(EngineConfig(model=str(path), tensor_parallel_size=2, speculative_config=spec, **CONFIG))
+    try:
+        ids = prompts(tp1.tokenizer)
+        assert run(tp2s, ids, 3) == run(tp1, ids, 3)
+        stats = tp2s.spec.stats()
+        assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0, stats
+    finally:
+        tp2s.runner.close()
