@@ -656,6 +656,121 @@ static void gemm_w8g_a8(const W8GArgs& a) {
   }
 }
 
+// ------------------------------------------------------------------ low-bit weights (WLowArgs)
+
+// Inputs per unpacked chunk: a 16-row tile's chunk is 4 KiB of int8 q (gemm_w8g_a8's layout), which
+// stays in L1 while the variant's W8A8 work item reads it.
+constexpr int64_t kWLowChunk = 256;
+
+// Unpack inputs [k0, k0 + kc) of one tile into q (gemm_w8g_a8's [kc/4][16][4] int8 layout) and the
+// per-group integer sums of q into wsum [kc/G][16] (fp32, exact: |sum| <= 256 * 32).
+static void wlow_unpack(const uint8_t* lo, const uint8_t* hi, int bits, int64_t k0, int64_t kc, int G,
+                        int8_t* q, float* wsum) {
+  const int c = bits == 6 ? 32 : 8;
+  const uint8_t* l = lo + (k0 / 8) * 64;
+  for (int64_t s = 0; s < kc / 8; ++s) {
+    const uint8_t* v = l + s * 64;
+    int8_t* a = q + (2 * s) * 64;
+    int8_t* b = a + 64;
+    for (int i = 0; i < 64; ++i) {
+      a[i] = (int8_t)((v[i] & 15) - c);
+      b[i] = (int8_t)((v[i] >> 4) - c);
+    }
+  }
+  if (bits == 6) {
+    const uint8_t* h = hi + (k0 / 16) * 64;
+    for (int64_t s = 0; s < kc / 16; ++s) {
+      const uint8_t* v = h + s * 64;
+      for (int p = 0; p < 4; ++p) {
+        int8_t* a = q + (4 * s + p) * 64;
+        for (int i = 0; i < 64; ++i) a[i] = (int8_t)(a[i] + (((v[i] >> (2 * p)) & 3) << 4));
+      }
+    }
+  }
+  for (int64_t g = 0; g < kc / G; ++g) {
+    int32_t acc[64] = {0};
+    for (int64_t s = g * G / 4; s < (g + 1) * G / 4; ++s)
+      for (int i = 0; i < 64; ++i) acc[i] += q[s * 64 + i];
+    for (int r = 0; r < 16; ++r)
+      wsum[g * 16 + r] = (float)(acc[4 * r] + acc[4 * r + 1] + acc[4 * r + 2] + acc[4 * r + 3]);
+  }
+}
+
+static void gemm_wlow_a8(const WLowArgs& a) {
+  const int bias = w8g_act_bias();
+  const int64_t M = a.M, K = a.K, N = a.N, G = a.group, groups = K / G;
+  ByteBuf xq((size_t)(M * K));
+  FloatBuf corr((size_t)M), sx((size_t)M), xs((size_t)(a.offset ? M * groups : 1));
+#pragma omp parallel for schedule(static) if (M * K > (1 << 15))
+  for (int64_t m = 0; m < M; ++m) {
+    w8g_quant_row(a.x + m * K, K, bias, xq.data() + m * K, corr.data() + m, sx.data() + m);
+    if (a.offset)
+      for (int64_t g = 0; g < groups; ++g) {
+        float sum = 0.f;
+        for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += a.x[m * K + k];
+        xs.data()[m * groups + g] = sum;
+      }
+  }
+  // whole groups per chunk
+  const int64_t chunk = std::max<int64_t>(G, kWLowChunk / G * G);
+  const int64_t tiles = (N + 15) / 16, blocks = (M + kW8GTokens - 1) / kW8GTokens;
+#pragma omp parallel if (tiles * blocks > 1 && M * N * K > (1 << 16))
+  {
+    ByteBuf qbuf((size_t)(chunk * 16)), xbuf((size_t)(chunk * kW8GTokens));
+    FloatBuf wsum((size_t)(chunk / 16 * 16)), tmp(16 * kW8GTokens), acc(16 * kW8GTokens);
+    int8_t* q = reinterpret_cast<int8_t*>(qbuf.data());
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < tiles * blocks; ++i) {
+      const int64_t tile = i / blocks, m0 = (i % blocks) * kW8GTokens;
+      const int T = (int)std::min<int64_t>(kW8GTokens, M - m0);
+      const int rows = (int)std::min<int64_t>(16, N - tile * 16);
+      const uint8_t* lo = a.lo + tile * 8 * K;
+      const uint8_t* hi = a.hi ? a.hi + tile * 4 * K : nullptr;
+      for (int j = 0; j < 16 * T; ++j) acc.data()[j] = 0.f;
+      for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+        const int64_t kc = std::min(chunk, K - k0);
+        wlow_unpack(lo, hi, a.bits, k0, kc, (int)G, q, wsum.data());
+        W8GBlock b;
+        if (T == 1) {
+          b.x = xq.data() + m0 * K + k0;
+        } else {  // the work item reads token t at x + t * K: the chunk's tokens side by side
+          for (int t = 0; t < T; ++t) std::memcpy(xbuf.data() + t * kc, xq.data() + (m0 + t) * K + k0, (size_t)kc);
+          b.x = xbuf.data();
+        }
+        b.K = kc;
+        b.T = T;
+        b.corr = corr.data() + m0;
+        b.sx = sx.data() + m0;
+        b.w = q;
+        b.scale = a.scale + (tile * groups + k0 / G) * 16;
+        b.wsum = wsum.data();
+        b.G = (int)G;
+        b.out = tmp.data();
+        b.ldo = 16;
+        b.rows = 16;
+        b.has_m128 = false;  // |q| <= 32
+        if (!w8g_block_fast(b)) w8g_block_scalar(b, bias);
+        for (int j = 0; j < 16 * T; ++j) acc.data()[j] += tmp.data()[j];
+      }
+      for (int t = 0; t < T; ++t) {
+        float* o = a.out + (m0 + t) * N + tile * 16;
+        const float* ac = acc.data() + t * 16;
+        if (a.offset) {
+          const float* off = a.offset + tile * groups * 16;
+          const float* xg = xs.data() + (m0 + t) * groups;
+          float y[16];
+          for (int r = 0; r < 16; ++r) y[r] = ac[r];
+          for (int64_t g = 0; g < groups; ++g)
+            for (int r = 0; r < 16; ++r) y[r] += off[g * 16 + r] * xg[g];
+          for (int r = 0; r < rows; ++r) o[r] = y[r];
+        } else {
+          for (int r = 0; r < rows; ++r) o[r] = ac[r];
+        }
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------------ fp32 GEMM, prepacked weights
 //
 // Decode-sized GEMMs (tens of rows) are where a general library loses most: each weight is used
@@ -781,5 +896,5 @@ static const KernelTable kTable = {
     AK_VARIANT_NAME,        impl::paged_attention,  impl::exp_inplace,
     impl::rms_norm,         impl::fused_add_rms_norm, impl::rotary_embedding,
     impl::silu_and_mul,     impl::reshape_and_cache, impl::gemm_w8g_a8,
-    impl::gemm_f32,         impl::argmax_rows,
+    impl::gemm_f32,         impl::argmax_rows,      impl::gemm_wlow_a8,
 };
