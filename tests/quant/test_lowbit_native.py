@@ -10,7 +10,8 @@ into 4- and 6-bit tiles, and applied.
 - Worst cases: every weight at the ends of its range, activations coded 127 / -128 (no cancellation
   to hide a clipped integer sum), scales at fp16's largest times the largest sub-scale and at fp16's
   smallest subnormal: the same tolerance.
-- Held size: 4 bits + fp32 scale and offset per 32 = 0.75 B/weight; 6 bits + fp32 scale per 16 = 1.0.
+- Held size: 4 bits + fp32 scale, int16 sum and fp32 offset per 32 = 0.8125 B/weight; 6 bits + fp32
+  scale and int16 sum per 16 = 1.125 (per 32: 0.9375).
 """
 from __future__ import annotations
 
@@ -72,9 +73,11 @@ def test_held_weights_are_ggufs_dequantization_and_outputs_the_reference(qtype, 
         y = m.apply(p, x).double()
         ref = m.reference(x, cw.qweight, cw.scale, zero_point=cw.zero_point)
         assert (y - ref).abs().max().item() <= 2e-5 * ref.abs().max().item(), (qtype, rows)
-    # what it holds, bytes per weight (padding rows aside): 4 bits (+ fp32 scale and offset per 32)
+    # what it holds, bytes per weight (padding rows aside): 4 or 6 bits, an fp32 scale and int16 sum
+    # of q per group, and an fp32 offset per group with zero points
     per_weight = packed_bytes(p) / (((n + 15) // 16 * 16) * k)
-    want_bpw = {4: 0.5 + 4 / cw.group + (4 / cw.group if cw.zero_point is not None else 0), 6: 0.75 + 4 / p["group"]}
+    g = p["group"]
+    want_bpw = {4: 0.5 + 6 / g + (4 / g if cw.zero_point is not None else 0), 6: 0.75 + 6 / g}
     assert per_weight == pytest.approx(want_bpw[m.bits])
 
 

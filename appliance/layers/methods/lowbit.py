@@ -4,18 +4,19 @@ Q5_0, Q5_1, Q5_K, Q3_K, Q2_K).
 
 Both run the native kernels' ``gemm_wlow_a8`` (native/neon_sve/include/appliance_kernels.h,
 ``WLowArgs``): weights held as 4-bit (``u = q + 8``) or 6-bit (``u = q + 32``) unsigned values in
-16-row tiles (a nibble plane, plus a 2-bit plane for 6 bits), a float32 scale per group and, with
-zero points, a float32 offset ``-zero_point * scale`` per group. Bytes per weight held: 4 bits,
-group 32, with offsets: 0.5 + 8 / 32 = 0.75 (no offsets: 0.625); 6 bits, group 16: 0.75 + 4 / 16 =
-1.0 (group 32: 0.875); against 1 + 8 / G for ``w8a8_native``'s int8 tiles with scale and weight sum
-(1.5 at group 16).
+16-row tiles (a nibble plane, plus a 2-bit plane for 6 bits), a float32 scale and an int16 integer
+sum of q per group and, with zero points, a float32 offset ``-zero_point * scale`` per group. Bytes
+per weight held: 4 bits, group 32, with offsets: 0.5 + 10 / 32 = 0.8125 (no offsets: 0.6875); 6
+bits, group 16: 0.75 + 6 / 16 = 1.125 (group 32: 0.9375); against 1 + 8 / G for ``w8a8_native``'s
+int8 tiles with fp32 scale and weight sum (1.5 at group 16, 1.25 at 32).
 
 The math is ``w8a8_native``'s exactly: activations quantized per token (``quant_act``), the integer
 dot products of each group exact, and the zero point's term against the float activations' group
-sums (inside the kernel rather than ``qmath.add_offset``'s GEMM). The kernel unpacks a tile 256
-inputs at a time into ``gemm_w8g_a8``'s int8 layout in L1 and runs the ISA variant's own W8A8 work
-item on it (VPMADDUBSW sign trick on AVX2, VPDPBUSD with VNNI, SDOT / SMMLA on Arm): what is read
-from memory per decode step is the low-bit weight, not int8.
+sums (inside the kernel rather than ``qmath.add_offset``'s GEMM). On x86 VPMADDUBSW multiplies the
+unsigned 4/6-bit values straight from the planes by the int8 activations (w8g_x86.inc proves the
+int16 bound); other variants unpack a tile 256 inputs at a time into ``gemm_w8g_a8``'s int8 layout
+in L1 and run their own W8A8 work item (SDOT / SMMLA on Arm, portable). What is read from memory
+per decode step is the low-bit weight, not int8.
 """
 from __future__ import annotations
 
@@ -81,8 +82,21 @@ def pack_lowbit(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Te
     off = offset(scale, zero_point)
     if off is not None:
         off = off.repeat_interleave(g // kg, dim=1)
-    return {"lo": lo, "hi": hi, "scale": _tiles(s), "offset": None if off is None else _tiles(off),
+    # the integer sum of q per kernel group (|sum| <= 32 * 256: int16), for the activations' zero point
+    wsum = _tiles((u.to(torch.int32) - centre).reshape(n + pad, k // kg, kg).sum(-1)).to(torch.int16)
+    # one uint8 tensor: the 2-bit plane (6 bits), then the group sums (the kernel's hiw)
+    hiw = torch.cat([hi.reshape(-1) if hi is not None else torch.empty(0, dtype=torch.uint8),
+                     wsum.reshape(-1).view(torch.uint8)])
+    return {"lo": lo, "hiw": hiw, "scale": _tiles(s), "offset": None if off is None else _tiles(off),
             "group": kg, "bits": bits, "n": n, "k": k}
+
+
+def _planes(p: dict) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Views of ``hiw``: the 2-bit plane [tiles, K/16, 16, 4] (None for 4 bits) and the int16 group sums."""
+    tiles, k = p["lo"].shape[0], p["k"]
+    hb = tiles * 4 * k if p["bits"] == 6 else 0
+    hi = p["hiw"][:hb].view(tiles, k // 16, 16, 4) if hb else None
+    return hi, p["hiw"][hb:].view(torch.int16)
 
 
 def _empty() -> torch.Tensor:
@@ -108,12 +122,11 @@ class _LowBit(QuantMethod):
         return pack_lowbit(qweight, scale, zero_point, self.bits)
 
     def apply(self, p, x):
-        return _native().gemm_wlow_a8(x.float().contiguous(), p["lo"], p["hi"] if p["hi"] is not None else _empty(),
-                                      p["scale"], p["offset"] if p["offset"] is not None else _empty(),
-                                      p["n"], p["group"], p["bits"])
+        return _native().gemm_wlow_a8(x.float().contiguous(), p["lo"], p["hiw"], p["scale"],
+                                      p["offset"] if p["offset"] is not None else _empty(), p["n"], p["group"], p["bits"])
 
     def fused_descriptor(self, p, silu_mul_next=False):
-        return FusedLinear(_KIND, p["lo"], None, (p["hi"], p["scale"], p["offset"]), (p["group"], p["bits"]))
+        return FusedLinear(_KIND, p["lo"], None, (p["hiw"], p["scale"], p["offset"]), (p["group"], p["bits"]))
 
     gives_rows = True
 
@@ -124,8 +137,9 @@ class _LowBit(QuantMethod):
         tile, r = ids // 16, ids % 16
         lo = p["lo"][tile, :, r, :].to(torch.int16)  # [R, K/8, 4]
         u = torch.stack([lo & 15, lo >> 4], dim=2).reshape(len(ids), -1)  # [R, K]: 8s + 4h + j
-        if p["hi"] is not None:
-            hi = p["hi"][tile, :, r, :].to(torch.int16)  # [R, K/16, 4]
+        hi_plane, _ = _planes(p)
+        if hi_plane is not None:
+            hi = hi_plane[tile, :, r, :].to(torch.int16)  # [R, K/16, 4]
             h = torch.stack([(hi >> (2 * q)) & 3 for q in range(4)], dim=2).reshape(len(ids), -1)
             u = u | (h << 4)
         q = (u - (8 if p["bits"] == 4 else 32)).double()

@@ -181,9 +181,10 @@ torch::Tensor gemm_w8g_a8(const torch::Tensor& x, const torch::Tensor& w, const 
   return out;
 }
 
-// Low-bit weights (4 or 6 bits) packed by appliance/layers/methods/lowbit.py (see WLowArgs); hi and
-// offset may be empty (4 bits; no offsets).
-torch::Tensor gemm_wlow_a8(const torch::Tensor& x, const torch::Tensor& lo, const torch::Tensor& hi,
+// Low-bit weights (4 or 6 bits) packed by appliance/layers/methods/lowbit.py (see WLowArgs). hiw: the
+// 2-bit plane (6 bits only) followed by the int16 group sums of q, in one uint8 tensor; offset may be
+// empty (no offsets).
+torch::Tensor gemm_wlow_a8(const torch::Tensor& x, const torch::Tensor& lo, const torch::Tensor& hiw,
                            const torch::Tensor& scale, const torch::Tensor& offset, int64_t n, int64_t group,
                            int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "gemm_wlow_a8: x contiguous float32 [M, K]");
@@ -193,12 +194,13 @@ torch::Tensor gemm_wlow_a8(const torch::Tensor& x, const torch::Tensor& lo, cons
               "gemm_wlow_a8: group must be a multiple of 16, <= 256, dividing K (a multiple of 16); got group ", group, " for K ", k);
   TORCH_CHECK(lo.scalar_type() == torch::kUInt8 && lo.is_contiguous() && lo.numel() == tiles * 8 * k,
               "gemm_wlow_a8: lo uint8 [ceil(N/16), K/8, 16, 4]");
-  TORCH_CHECK(bits == 4 || (hi.scalar_type() == torch::kUInt8 && hi.is_contiguous() && hi.numel() == tiles * 4 * k),
-              "gemm_wlow_a8: hi uint8 [ceil(N/16), K/16, 16, 4] for 6 bits");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == tiles * (k / group) * 16,
+  const int64_t hi_bytes = bits == 6 ? tiles * 4 * k : 0, groups = k / group;
+  TORCH_CHECK(hiw.scalar_type() == torch::kUInt8 && hiw.is_contiguous() && hiw.numel() == hi_bytes + tiles * groups * 16 * 2,
+              "gemm_wlow_a8: hiw uint8: the 2-bit plane [ceil(N/16), K/16, 16, 4] (6 bits) then int16 [ceil(N/16), K/G, 16]");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == tiles * groups * 16,
               "gemm_wlow_a8: scale float32 [ceil(N/16), K/G, 16]");
   TORCH_CHECK(!offset.numel() || (offset.scalar_type() == torch::kFloat32 && offset.is_contiguous() &&
-                                  offset.numel() == tiles * (k / group) * 16),
+                                  offset.numel() == tiles * groups * 16),
               "gemm_wlow_a8: offset float32 [ceil(N/16), K/G, 16] or empty");
   auto out = torch::empty({m, n}, x.options());
   ak::WLowArgs a{};
@@ -207,7 +209,8 @@ torch::Tensor gemm_wlow_a8(const torch::Tensor& x, const torch::Tensor& lo, cons
   a.K = k;
   a.N = n;
   a.lo = lo.data_ptr<uint8_t>();
-  a.hi = bits == 6 ? hi.data_ptr<uint8_t>() : nullptr;
+  a.hi = bits == 6 ? hiw.data_ptr<uint8_t>() : nullptr;
+  a.wsum = reinterpret_cast<const int16_t*>(hiw.data_ptr<uint8_t>() + hi_bytes);
   a.scale = scale.data_ptr<float>();
   a.offset = offset.numel() ? offset.data_ptr<float>() : nullptr;
   a.group = (int)group;
@@ -258,7 +261,7 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
 //   kLinDynQuant4 _dyn_quant_matmul_4bit (w4a8_dynquant, KleidiAI on Arm): aux {-, -, offset_t},
 //               ints {group};
 //   kLinInt8Pack _weight_int8pack_mm on bf16 activations (w8a16_int8pack): aux {bf16 scales}.
-//   kLinWLow    gemm_wlow_a8 (w4a8_native, w6a8_native): aux {hi, scale, offset}, ints {group, bits}.
+//   kLinWLow    gemm_wlow_a8 (w4a8_native, w6a8_native): aux {hiw, scale, offset}, ints {group, bits}.
 // offset_t [G, N] (empty: none) is the group zero points' term: x's G group sums times it, added.
 enum LinearKind : int64_t {
   kLinNative = 0, kLinOneDNN = 1, kLinTorch = 2, kLinW8G = 3, kLinInt4Pack = 4, kLinDynQuant4 = 5, kLinInt8Pack = 6,

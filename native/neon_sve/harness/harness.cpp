@@ -498,8 +498,17 @@ void check_wlow(const std::vector<const KernelTable*>& variants) {
     // pack (appliance_kernels.h, WLowArgs)
     std::vector<uint8_t> lo((size_t)tiles * 8 * c.K, 0), hi((size_t)tiles * 4 * c.K, 0);
     std::vector<float> ps((size_t)tiles * groups * 16, 0.f), po((size_t)tiles * groups * 16, 0.f);
+    std::vector<int16_t> pws((size_t)tiles * groups * 16, 0);
+    // rows past N: u = 0 (q = -ctr), their group sums to match
+    for (int n = c.N; n < tiles * 16; ++n)
+      for (int g = 0; g < groups; ++g) pws[((size_t)(n / 16) * groups + g) * 16 + n % 16] = (int16_t)(-ctr * c.G);
     for (int n = 0; n < c.N; ++n) {
       const int t = n / 16, r = n % 16;
+      for (int g = 0; g < groups; ++g) {
+        int sum = 0;
+        for (int k = g * c.G; k < (g + 1) * c.G; ++k) sum += q[(size_t)n * c.K + k];
+        pws[((size_t)t * groups + g) * 16 + r] = (int16_t)sum;
+      }
       for (int k = 0; k < c.K; ++k) {
         const int u = q[(size_t)n * c.K + k] + ctr;
         const int s8 = k / 8, j = k % 4, half = (k % 8) / 4;
@@ -536,7 +545,7 @@ void check_wlow(const std::vector<const KernelTable*>& variants) {
     for (const KernelTable* kt : variants) {
       std::vector<float> out((size_t)c.M * c.N, -1.f);
       WLowArgs a{x.data(), c.M, c.K, c.N, lo.data(), c.bits == 6 ? hi.data() : nullptr, ps.data(),
-                 c.off ? po.data() : nullptr, c.G, c.bits, out.data()};
+                 c.off ? po.data() : nullptr, c.G, c.bits, out.data(), pws.data()};
       kt->gemm_wlow_a8(a);
       double err;
       char what[96];

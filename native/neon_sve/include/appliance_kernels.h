@@ -81,11 +81,11 @@ struct W8GArgs {
 // The weight is w[n, k] = scale[n, g] * q[n, k] + offset[n, g] (offset = -zero_point * scale). Per
 // token m and row n:
 //   out[m, n] = s[m] sum_g scale[n, g] (sum_{k in g} xq q - zp[m] sum_{k in g} q) + sum_g offset[n, g] xsum[m, g]
-// i.e. gemm_w8g_a8's exact integer bracket over the unpacked q, plus the offsets against the float
-// activations' group sums xsum (fp32, in order). Each tile is unpacked a 256-input chunk at a time
-// into gemm_w8g_a8's layout in L1 and run through the variant's own W8A8 work item, so every ISA
-// variant (AVX2 sign trick, VNNI, SDOT, SMMLA) computes it; |q| <= 32 keeps every product far from
-// the int16 pair limit of VPMADDUBSW (2 * 128 * 32 = 8192 < 32767).
+// i.e. gemm_w8g_a8's exact integer bracket over q, plus the offsets against the float activations'
+// group sums xsum (fp32, in order). x86 (AVX2 and up) multiplies the unsigned u straight from the
+// nibbles by int8 activations with VPMADDUBSW (sum xq q = sum xq u - c sum xq: exact; see
+// w8g_x86.inc for the int16 bound); the other variants unpack each tile a 256-input chunk at a time
+// into gemm_w8g_a8's layout in L1 and run their own W8A8 work item (SDOT, SMMLA, portable).
 struct WLowArgs {
   const float* x;        // [M, K] fp32, contiguous
   int64_t M, K, N;       // K % 16 == 0, K % G == 0
@@ -96,6 +96,7 @@ struct WLowArgs {
   int group;             // G: a multiple of 16, at most 256
   int bits;              // 4 or 6
   float* out;            // [M, N] fp32, contiguous
+  const int16_t* wsum;   // [ceil(N/16)][K/G][16]: the group's integer sum of q (|sum| <= 32 * 256)
 };
 
 struct KernelTable {
