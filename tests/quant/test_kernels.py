@@ -7,7 +7,7 @@ import torch
 
 from helpers import assert_matches_reference, skip_unless_backend
 
-from appliance.layers import quant
+from appliance.layers import methods, quant
 from appliance.layers.linear import Linear, select_backends
 
 # (out, in): SmolLM2-135M's q/k/v (fused), o, gate/up (fused) and down; odd sizes; Qwen2.5-0.5B's down
@@ -56,6 +56,8 @@ def test_backend_matches_fp64_reference(case, shape):
     g = k if group is None else group
     w = _weights(n, k)
     qw, s, *zp = quant.quantize_int8(w) if scheme == "w8a8" else quant.quantize_int4(w, g)
+    if getattr(methods.get(backend), "bits", 8) == 6:  # w6a8_native takes W8 layers whose values fit 6 bits
+        qw = qw.clamp(-32, 31)
     assert_matches_reference(backend, qw, s, zp[0] if zp else None)
 
 
@@ -169,8 +171,8 @@ def test_auto_measures_quantized_candidates_once_and_caches(tmp_path, monkeypatc
         return quant.quantize_model(model, "w4a8", 32)
 
     choices = select_backends(build(), "auto", torch.float32, torch.device("cpu"))
-    assert sorted(calls) == [("w4a8g32|128x64", ("w4a8_dynquant", "w4a16_int4pack")),
-                             ("w4a8g32|64x128", ("w4a8_dynquant", "w4a16_int4pack"))]  # once per shape
+    w4 = ("w4a8_dynquant", "w4a16_int4pack", "w4a8_native")
+    assert sorted(calls) == [("w4a8g32|128x64", w4), ("w4a8g32|64x128", w4)]  # once per shape
     assert set(choices) == {"w4a8 64x128", "w4a8 128x64"} and set(choices.values()) <= set(quant.BACKENDS["w4a8"])
     assert select_backends(build(), "auto", torch.float32, torch.device("cpu")) == choices
     assert len(calls) == 2  # the second model reads the cache
@@ -209,7 +211,9 @@ def test_worst_case_inputs_match_reference(backend):
     skip_unless_backend(backend)
     n, k = 48, 512
     scheme = next(s for s, names in quant.BACKENDS.items() if backend in names)
-    if scheme == "w8a8":
+    if backend == "w6a8_native":  # W8 layers whose values fit 6 bits, in groups
+        ranges, groups = [(-32, 31)], [16, 32]
+    elif scheme == "w8a8":
         group = 32 if backend == "w8a8_native" else k  # only the native kernel takes W8 groups (and -128)
         lo = -128 if backend == "w8a8_native" else -127
         ranges, groups = [(lo, 127)], [group]

@@ -20,6 +20,7 @@ per decode step is the low-bit weight, not int8.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from appliance.layers.methods.base import FusedLinear, native_extension_problem, register
@@ -83,7 +84,8 @@ def pack_lowbit(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Te
     if off is not None:
         off = off.repeat_interleave(g // kg, dim=1)
     # the integer sum of q per kernel group (|sum| <= 32 * 256: int16), for the activations' zero point
-    wsum = _tiles((u.to(torch.int32) - centre).reshape(n + pad, k // kg, kg).sum(-1)).to(torch.int16)
+    usum = np.add.reduce(u.numpy().reshape(n + pad, k // kg, kg), axis=-1, dtype=np.int32)  # numpy: no int32 copy
+    wsum = _tiles(torch.from_numpy(usum - centre * kg)).to(torch.int16)
     # one uint8 tensor: the 2-bit plane (6 bits), then the group sums (the kernel's hiw)
     hiw = torch.cat([hi.reshape(-1) if hi is not None else torch.empty(0, dtype=torch.uint8),
                      wsum.reshape(-1).view(torch.uint8)])
