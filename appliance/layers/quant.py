@@ -202,13 +202,22 @@ class QuantLinear(LinearBase):
 
     @property
     def shape_key(self) -> str:
-        return f"{self.scheme}g{self.group_size}|{self.out_features}x{self.in_features}"
+        # "|6b": a W8 layer whose values fit 6 bits (w6a8_native is a candidate for it, not for the others)
+        six = "|6b" if self.scheme == "w8a8" and self._fits_6_bits() else ""
+        return f"{self.scheme}g{self.group_size}|{self.out_features}x{self.in_features}{six}"
+
+    def _fits_6_bits(self) -> bool:
+        if "_fits6" not in self.__dict__:  # decided once, on the loaded weights (released after packing)
+            q = self.qweight.data.numpy()  # numpy's int8 min/max are ~100x faster than torch's
+            self.__dict__["_fits6"] = q.size > 0 and int(q.min()) >= -32 and int(q.max()) <= 31
+        return self.__dict__["_fits6"]
 
     def candidates(self, dtype: torch.dtype, device: torch.device) -> list[str]:
         if device.type != "cpu":
             return []
         return [m.name for m in methods.of_scheme(self.scheme)
-                if backend_valid(m.name, self.scheme, self.out_features, self.in_features, self.group_size)]
+                if backend_valid(m.name, self.scheme, self.out_features, self.in_features, self.group_size)
+                and (not hasattr(m, "takes_values") or self.scheme != "w8a8" or self._fits_6_bits())]
 
     def measure(self, candidates: list[str], rows, timer) -> dict[str, float]:
         n, k = self.out_features, self.in_features
@@ -218,7 +227,9 @@ class QuantLinear(LinearBase):
             s = s.repeat_interleave(k // self.group_size, dim=1)
         fns = {}
         for name in candidates:
-            p = pack(name, qw, s, *zp)
+            m = methods.get(name)
+            # timing does not depend on the values: a method taking fewer bits gets them clamped
+            p = pack(name, qw.clamp(-32, 31) if getattr(m, "bits", 8) == 6 else qw, s, *zp)
             xs = {m: torch.randn(m, k) for m in rows}  # not timed
             fns[name] = {m: (lambda x=xs[m], b=name, p=p: run(b, p, x, n, k)) for m in rows}
         return relative_cost(fns, timer)

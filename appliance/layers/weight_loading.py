@@ -113,6 +113,16 @@ def load_quant_linear(module, param: torch.Tensor, loaded, shard_id: str | None)
             raise WeightLoadError(f"is a float tensor ({loaded.dtype}), expected {module.scheme} quantized weights")
         copy_checked(shard_rows(module, param, shard_id), loaded)
         return
+    grouped_w8 = module.scheme == "w8a8" and module.weight_zero_point is not None  # QuantLinear(w8_groups=True)
+    if (grouped_w8 and loaded.scheme in ("w4a8", "w8a8") and loaded.group_size
+            and (loaded.scheme, loaded.group_size) != (module.scheme, module.group_size)
+            and loaded.group_size % module.group_size == 0):
+        # a shard of a fused layer held in a wider form (models.loader._widened): the same integers,
+        # each group's scale and zero point repeated over the layer's finer groups; exact
+        r = loaded.group_size // module.group_size
+        loaded = QuantizedWeight(loaded.qweight, loaded.scale.repeat_interleave(r, dim=1),
+                                 None if loaded.zero_point is None else loaded.zero_point.repeat_interleave(r, dim=1),
+                                 module.group_size, module.scheme)
     if loaded.scheme != module.scheme or loaded.group_size != module.group_size:
         raise WeightLoadError(f"is {loaded.scheme} at group size {loaded.group_size}, expected {module.scheme} at "
                               f"group size {module.group_size} (the layer's other shards)")

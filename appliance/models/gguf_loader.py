@@ -656,7 +656,8 @@ def kept_types(quantization: str, group_size: int, linear_backend: str = "auto",
     if quantization == "gguf":
         return kept_types("w4a8", GGUF_BLOCK, linear_backend, path) + kept_types("w8a8", group_size, linear_backend, path)
     if quantization == "w8a8":
-        if linear_backend in quant.BACKENDS["w8a8"] and linear_backend != "w8a8_native":
+        # a forced W8 method that takes no groups (w8a8_onednn, w8a16_int8pack)
+        if linear_backend in quant.BACKENDS["w8a8"] and not quant.backend_valid(linear_backend, "w8a8", 256, 256, 32):
             log.info("%s: linear_backend=%s takes per-channel W8 only, not a GGUF's groups; quantizing the "
                      "dequantized weights", path, linear_backend)
             return ()

@@ -207,9 +207,11 @@ def build_model_for(info: ModelInfo, source, device: torch.device) -> torch.nn.M
     table it gives quantized.
 
     The rule for a fused q/k/v or gate/up whose shards differ (a GGUF mixing types, a partly ignored
-    compressed-tensors layer): the whole layer is float, its quantized shards dequantized at load, and
-    it is quantized afterwards only if ``--quantization`` asks (as any float layer). Simplest correct:
-    a fused layer has one method and one group size, so shards of different forms cannot share it."""
+    compressed-tensors layer): shards that are all grouped W4 / W8 (a Q4_K_M file's Q4_K q/k with a
+    Q6_K v) are held together as W8 groups of the smallest group, each shard's integers as they are
+    and its scales and zero points repeated over the finer groups: exact (``_widened``). Otherwise the
+    whole layer is float, its quantized shards dequantized at load, and it is quantized afterwards only
+    if ``--quantization`` asks (as any float layer): a fused layer has one method and one group size."""
     from appliance.layers.linear import Linear
     from appliance.layers.quant import QuantLinear
     from appliance.models.registry import build_model
@@ -227,8 +229,13 @@ def build_model_for(info: ModelInfo, source, device: torch.device) -> torch.nn.M
             whole = f"{name}.weight"  # a fused layer the checkpoint stores fused (Phi-3) or by shard
             parts = [whole] if whole in qlayers else [f"{parent}.{s}.weight" for s in mod.shards] or [whole]
             kinds = {qlayers.get(p) for p in parts}
-            if len(kinds) != 1 or None in kinds:
+            if None in kinds:
                 continue
+            if len(kinds) != 1:
+                wide = _widened(kinds)
+                if wide is None:
+                    continue
+                kinds = {wide}
             scheme, group = kinds.pop()
             try:
                 q = QuantLinear(mod.in_features, mod.out_features, scheme, group, mod.bias is not None,
@@ -247,6 +254,16 @@ def build_model_for(info: ModelInfo, source, device: torch.device) -> torch.nn.M
         if _is_quant(m) and m.weight_zero_point is not None:
             m.weight_zero_point.data.zero_()
     return model
+
+
+def _widened(kinds: set) -> tuple[str, int] | None:
+    """The one form that holds shards of these (scheme, group) forms exactly, or None: W8 groups of
+    the smallest group, when every form is grouped W4 or W8 and that group divides the others (int4
+    values are int8 values; a scale per 32 is the same scale twice per 16)."""
+    if any(g is None for _, g in kinds) or not all(s in ("w4a8", "w8a8") for s, _ in kinds):
+        return None
+    g = min(g for _, g in kinds)
+    return ("w8a8", g) if all(h % g == 0 for _, h in kinds) else None
 
 
 def _quantized_embedding(model, name: str, mod, form: tuple[str, int | None], path) -> None:

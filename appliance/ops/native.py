@@ -456,6 +456,14 @@ def gemm_w8g_a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, wsum: tor
     return _require().gemm_w8g_a8(x, w, scale, wsum, n, group, has_m128)
 
 
+def gemm_wlow_a8(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                 n: int, group: int, bits: int) -> torch.Tensor:
+    """Low-bit (4 or 6 bits) weights with int8 activations: x [M, K] float32 -> [M, n] float32, over
+    weights packed by ``appliance.layers.methods.lowbit`` (layout: ``WLowArgs`` in
+    native/neon_sve/include/appliance_kernels.h; ``hi`` / ``offset`` empty when unused)."""
+    return _require().gemm_wlow_a8(x, lo, hi, scale, offset, n, group, bits)
+
+
 SGEMM_PANEL = 32  # output columns per prepacked panel (kSgemmPanel in appliance_kernels.h)
 
 

@@ -143,7 +143,8 @@ def test_tokens_equal_the_converted_route(files, tmp_path, monkeypatch, quantiza
 
 def test_gguf_quantization_keeps_every_layer_as_stored(files, tmp_path, monkeypatch):
     """``quantization="gguf"``: each projection in its own type's scheme (Q4_K -> W4 group 32, Q6_K ->
-    W8 group 16 where w8a8_native runs), the fused q/k/v mixing Q4_K and Q6_K float; weights are the
+    W8 group 16 where w8a8_native runs), the fused q/k/v mixing Q4_K and Q6_K held as W8 group 16 (each
+    shard's integers, its scales and zero points repeated: exact; float where W8 groups do not run); weights are the
     blocks (gguf's dequantization to the zero point's fp32 rounding), and the logits are the float
     model's (the same dequantized weights) but for the activation quantization of the methods."""
     path, _ = files
@@ -161,12 +162,27 @@ def test_gguf_quantization_keeps_every_layer_as_stored(files, tmp_path, monkeypa
                                                         gguf.GGMLQuantizationType[qt]).reshape(mod.out_features, -1))
                 got = dequantize(mod.qweight, mod.weight_scale, mod.weight_zero_point)
                 assert torch.allclose(got, want.double(), rtol=0, atol=2.0 ** -22 * want.abs().max().item()), name
+    if w8:  # the widened q/k/v: each shard gguf's dequantization (q/k rows un-permuted as the loader does)
+        from appliance.models.gguf_loader import _unpermute_rows
+
+        qkv = model.get_submodule("model.layers.0.self_attn.qkv_proj")
+        got = dequantize(qkv.qweight, qkv.weight_scale, qkv.weight_zero_point)
+        row = 0
+        for part, heads in (("attn_q", N_HEAD), ("attn_k", N_KV), ("attn_v", None)):
+            t = r[f"blk.0.{part}.weight"]
+            want = gguf_dequantize(t.data, t.tensor_type).reshape(-1, HIDDEN)
+            want = torch.from_numpy(want if heads is None else _unpermute_rows(want, heads)).double()
+            g = got[row:row + want.shape[0]]
+            row += want.shape[0]
+            assert torch.allclose(g, want, rtol=0, atol=2.0 ** -22 * want.abs().max().item()), part
+        assert row == qkv.out_features
     want = {"model.layers.0.self_attn.o_proj": ("w4a8", 32), "model.layers.0.mlp.gate_up_proj": ("w4a8", 32),
             "model.layers.1.self_attn.qkv_proj": ("w4a8", 32), "model.layers.1.self_attn.o_proj": ("w4a8", 32),
             "model.layers.1.mlp.gate_up_proj": ("w4a8", 32)}
     if w8:
         want |= {"model.layers.0.mlp.down_proj": ("w8a8", 16), "model.layers.1.mlp.down_proj": ("w8a8", 16),
-                 "lm_head": ("w8a8", 16)}  # the untied Q6_K output.weight
+                 "lm_head": ("w8a8", 16),  # the untied Q6_K output.weight
+                 "model.layers.0.self_attn.qkv_proj": ("w8a8", 16)}  # Q4_K q/k and Q6_K v, widened
     assert forms == want
     monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(tmp_path / "cache"))
     from helpers import engine_logits
@@ -184,3 +200,53 @@ def test_gguf_quantization_refused_for_a_directory(tiny_model_dir):
 
     with pytest.raises(ModelLoadError, match="quantization=gguf"):
         LLM(str(tiny_model_dir("llama")), quantization="gguf", **KW)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("backend", ["w4a8_native", "w6a8_native"])
+def test_native_lowbit_methods_give_the_tokens_of_their_fp64_reference(files, tmp_path, monkeypatch, fused, backend):
+    """``quantization="gguf"`` with the Q4_K layers on ``w4a8_native``, or every Q6_K-holding layer
+    (the down projections, the untied lm_head, the q/k/v mixing Q4_K and Q6_K held as W8 groups of 16)
+    on ``w6a8_native`` (the others as measured): greedy tokens, through the one-call decoder stack and
+    op by op, equal those of the same model whose layers compute each method's fp64 reference (the
+    same quantized activations and weights; only the kernels' fp32 sums differ)."""
+    from appliance.layers import quant
+    from appliance.layers.methods.qmath import quant_act_asym
+    from appliance.ops import native
+
+    if not kept_types("w8a8", 32):
+        pytest.skip("the native kernels are not available here")
+    monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "FUSED_LAYERS", fused)
+    a = LLM(files[0], quantization="gguf", linear_backend=backend, **KW)
+    got = {n: (m.backend, m.group_size) for n, m in a.engine.runner.model.named_modules() if isinstance(m, QuantLinear)}
+    if backend == "w6a8_native":
+        for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.down_proj", "lm_head"):
+            assert got[name] == ("w6a8_native", 16), name  # the q/k/v: Q4_K q/k + Q6_K v, not float
+    else:
+        assert got["model.layers.1.self_attn.qkv_proj"] == ("w4a8_native", 32)
+        assert got["model.layers.0.mlp.gate_up_proj"] == ("w4a8_native", 32)
+    calls = []
+    real_stack = native.llama_layers
+    monkeypatch.setattr(native, "llama_layers", lambda *a, **k: calls.append(1) or real_stack(*a, **k))
+    ga = [o.outputs[0].token_ids for o in a.generate([IDS[:9], IDS[5:30]], GREEDY)]
+    assert bool(calls) == fused  # the one-call stack ran these methods' layers (or, unfused, did not)
+    real_run = quant.run
+
+    def reference_run(backend, p, x, n, k):  # the fp64 math the method performs, from its own packed form
+        m = quant._method(backend, "")
+        if backend not in ("w4a8_native", "w6a8_native"):
+            return real_run(backend, p, x, n, k)
+        w = m.dequantize_rows(p, torch.arange(n)).double()  # offset folded in: the reference splits it off
+        xq = quant_act_asym(x.float()).double()
+        sym = w if p["offset"] is None else w - p["offset"].permute(0, 2, 1).reshape(-1, k // p["group"])[:n].double(
+        ).repeat_interleave(p["group"], dim=1)
+        off = 0.0 if p["offset"] is None else (
+            x.float().double().reshape(x.shape[0], -1, p["group"]).sum(-1)
+            @ p["offset"].permute(0, 2, 1).reshape(-1, k // p["group"])[:n].double().t())
+        return (xq @ sym.t() + off).float()
+
+    monkeypatch.setattr(quant, "run", reference_run)
+    monkeypatch.setattr(native, "FUSED_LAYERS", False)
+    gb = [o.outputs[0].token_ids for o in a.generate([IDS[:9], IDS[5:30]], GREEDY)]
+    assert ga == gb

@@ -17,11 +17,16 @@ vocabulary, the float32 embedding table (128 MiB here) and the freed canonical f
 kept (~360 MB on a 12-layer file). No float copy of the embedding table may be held.
 
 Issue 14's target, growth within 15% of the file size plus the KV cache, is not met yet, for the
-weights themselves: held as the methods pack them they are ~1.65x the file. Q6_K (0.82 B/weight in
-the file) is held as W8 groups of 16 on w8a8_native (int8 + fp32 scale and weight sum per group:
-1.5 B/weight), a fused q/k/v mixing Q4_K and Q6_K shards is float32, and Q4_K (0.5625 B/weight) is
-0.625 B/weight on w4a16_int4pack. That part is asserted as an expected failure (strict: it fails
-the suite the day it passes, so the bound gets tightened).
+weights themselves: held as the methods pack them they are ~1.4x the file (measured: growth 137 MiB
+for weights 112 + KV 16, file 79; before the low-bit methods and the widened q/k/v: 186 for 132 +
+16). What is held, bytes per weight (file: Q4_K 0.5625, Q6_K 0.82): Q4_K on w4a16_int4pack 0.625
+(forced here; w4a8_native would hold 0.8125: 4 bits + fp32 scale, int16 sum of q and fp32 offset
+per 32); Q6_K on the measured choice of w8a8_native (int8 + fp32 scale and weight sum per 16: 1.5)
+and w6a8_native (6 bits + fp32 scale and int16 sum per 16: 1.125); the fused q/k/v mixing Q4_K and
+Q6_K shards as W8 groups of 16 with zero points on either (no longer float32: +0.25 B/weight for
+the fp32 offsets). Closing the rest needs the K-quant's own scales kept (6-bit sub-scales and an
+fp16 super-block scale, ~0.6 B/weight for Q4_K) instead of fp32 per group. That part is asserted as
+an expected failure (strict: it fails the suite the day it passes, so the bound gets tightened).
 """
 from __future__ import annotations
 
@@ -96,8 +101,8 @@ def test_resident_memory_is_the_packed_weights_and_kv_cache(measured):
     assert m["growth"] <= 1.40 * (m["weights"] + m["kv"]), m
 
 
-@pytest.mark.xfail(strict=True, reason="weights as packed are ~1.65x a Q4_K_M file (Q6_K held as W8 g16, "
-                                       "mixed q/k/v float32): see the module docstring")
+@pytest.mark.xfail(strict=True, reason="weights as packed are ~1.4x a Q4_K_M file (fp32 scales per group of "
+                                       "16/32 where the file has 6-bit sub-scales): see the module docstring")
 def test_resident_memory_within_15_percent_of_the_file_and_kv_cache(measured):
     m = measured
     assert m["growth"] <= 1.15 * (m["file"] + m["kv"]), m

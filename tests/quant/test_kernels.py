@@ -7,7 +7,7 @@ import torch
 
 from helpers import assert_matches_reference, skip_unless_backend
 
-from appliance.layers import quant
+from appliance.layers import methods, quant
 from appliance.layers.linear import Linear, select_backends
 
 # (out, in): SmolLM2-135M's q/k/v (fused), o, gate/up (fused) and down; odd sizes; Qwen2.5-0.5B's down
@@ -56,6 +56,8 @@ def test_backend_matches_fp64_reference(case, shape):
     g = k if group is None else group
     w = _weights(n, k)
     qw, s, *zp = quant.quantize_int8(w) if scheme == "w8a8" else quant.quantize_int4(w, g)
+    if getattr(methods.get(backend), "bits", 8) == 6:  # w6a8_native takes W8 layers whose values fit 6 bits
+        qw = qw.clamp(-32, 31)
     assert_matches_reference(backend, qw, s, zp[0] if zp else None)
 
 
@@ -77,12 +79,14 @@ def test_gguf_block_scales_match_reference(backend):
 
 def test_gguf_q8_0_block_scales_match_reference():
     """W8 as a GGUF's Q8_0 blocks load: group 32, fp16 scales (negative ones too), every int8 value
-    including -128. Only w8a8_native takes W8 groups (per-variant checks: tests/ops/test_w8g_gemm.py)."""
+    including -128. Only w8a8_native takes W8 groups of any values (w6a8_native those within 6 bits;
+    per-variant checks: tests/ops/test_w8g_gemm.py)."""
     n, k = 960, 576
     g = torch.Generator().manual_seed(4)
     qw = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     d = (torch.randn(n, k // 32, generator=g) * 0.004).half().float()
-    assert [b for b in quant.BACKENDS["w8a8"] if quant.backend_valid(b, "w8a8", n, k, 32)] == ["w8a8_native"]
+    assert [b for b in quant.BACKENDS["w8a8"] if quant.backend_valid(b, "w8a8", n, k, 32)
+            and getattr(methods.get(b), "takes_values", lambda q: True)(qw)] == ["w8a8_native"]
     assert_matches_reference("w8a8_native", qw, d, None)
 
 
@@ -169,8 +173,8 @@ def test_auto_measures_quantized_candidates_once_and_caches(tmp_path, monkeypatc
         return quant.quantize_model(model, "w4a8", 32)
 
     choices = select_backends(build(), "auto", torch.float32, torch.device("cpu"))
-    assert sorted(calls) == [("w4a8g32|128x64", ("w4a8_dynquant", "w4a16_int4pack")),
-                             ("w4a8g32|64x128", ("w4a8_dynquant", "w4a16_int4pack"))]  # once per shape
+    w4 = ("w4a8_dynquant", "w4a16_int4pack", "w4a8_native")
+    assert sorted(calls) == [("w4a8g32|128x64", w4), ("w4a8g32|64x128", w4)]  # once per shape
     assert set(choices) == {"w4a8 64x128", "w4a8 128x64"} and set(choices.values()) <= set(quant.BACKENDS["w4a8"])
     assert select_backends(build(), "auto", torch.float32, torch.device("cpu")) == choices
     assert len(calls) == 2  # the second model reads the cache
@@ -209,7 +213,9 @@ def test_worst_case_inputs_match_reference(backend):
     skip_unless_backend(backend)
     n, k = 48, 512
     scheme = next(s for s, names in quant.BACKENDS.items() if backend in names)
-    if scheme == "w8a8":
+    if backend == "w6a8_native":  # W8 layers whose values fit 6 bits, in groups
+        ranges, groups = [(-32, 31)], [16, 32]
+    elif scheme == "w8a8":
         group = 32 if backend == "w8a8_native" else k  # only the native kernel takes W8 groups (and -128)
         lo = -128 if backend == "w8a8_native" else -127
         ranges, groups = [(lo, 127)], [group]

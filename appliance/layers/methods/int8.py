@@ -10,6 +10,7 @@ import functools
 import os
 import platform
 
+import numpy as np
 import torch
 
 from appliance.layers.methods.base import FusedLinear, native_extension_problem, register
@@ -174,7 +175,9 @@ class W8A8Native(_W8A8):
         tiles, pad = -(-n // 16), -n % 16
         q = torch.nn.functional.pad(qweight.to(torch.int8), (0, 0, 0, pad))
         s = torch.nn.functional.pad(scale.float().repeat_interleave(g // kg, dim=1), (0, 0, 0, pad))
-        wsum = q.to(torch.int32).reshape(n + pad, k // kg, kg).sum(-1).float()  # |sum| <= 2^15: exact
+        # |sum| <= 2^15: exact. numpy sums int8 into int32 without an int32 copy of q (~7x faster
+        # than torch's .to(int32).sum here: 1.8 vs 0.23 s for 29M weights, the Q8_0 lm_head has 136M)
+        wsum = torch.from_numpy(np.add.reduce(q.numpy().reshape(n + pad, k // kg, kg), axis=-1, dtype=np.int32)).float()
         return {"w": q.reshape(tiles, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous(),
                 "scale": s.reshape(tiles, 16, k // kg).permute(0, 2, 1).contiguous(),
                 "wsum": wsum.reshape(tiles, 16, k // kg).permute(0, 2, 1).contiguous(),

@@ -219,6 +219,45 @@ torch::Tensor gemm_w8g_a8(const torch::Tensor& x, const torch::Tensor& w, const 
   return out;
 }
 
+// Low-bit weights (4 or 6 bits) packed by appliance/layers/methods/lowbit.py (see WLowArgs). hiw: the
+// 2-bit plane (6 bits only) followed by the int16 group sums of q, in one uint8 tensor; offset may be
+// empty (no offsets).
+torch::Tensor gemm_wlow_a8(const torch::Tensor& x, const torch::Tensor& lo, const torch::Tensor& hiw,
+                           const torch::Tensor& scale, const torch::Tensor& offset, int64_t n, int64_t group,
+                           int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "gemm_wlow_a8: x contiguous float32 [M, K]");
+  const int64_t m = x.size(0), k = x.size(1), tiles = (n + 15) / 16;
+  TORCH_CHECK(bits == 4 || bits == 6, "gemm_wlow_a8: bits must be 4 or 6; got ", bits);
+  TORCH_CHECK(k % 16 == 0 && group % 16 == 0 && group <= 256 && k % group == 0,
+              "gemm_wlow_a8: group must be a multiple of 16, <= 256, dividing K (a multiple of 16); got group ", group, " for K ", k);
+  TORCH_CHECK(lo.scalar_type() == torch::kUInt8 && lo.is_contiguous() && lo.numel() == tiles * 8 * k,
+              "gemm_wlow_a8: lo uint8 [ceil(N/16), K/8, 16, 4]");
+  const int64_t hi_bytes = bits == 6 ? tiles * 4 * k : 0, groups = k / group;
+  TORCH_CHECK(hiw.scalar_type() == torch::kUInt8 && hiw.is_contiguous() && hiw.numel() == hi_bytes + tiles * groups * 16 * 2,
+              "gemm_wlow_a8: hiw uint8: the 2-bit plane [ceil(N/16), K/16, 16, 4] (6 bits) then int16 [ceil(N/16), K/G, 16]");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == tiles * groups * 16,
+              "gemm_wlow_a8: scale float32 [ceil(N/16), K/G, 16]");
+  TORCH_CHECK(!offset.numel() || (offset.scalar_type() == torch::kFloat32 && offset.is_contiguous() &&
+                                  offset.numel() == tiles * groups * 16),
+              "gemm_wlow_a8: offset float32 [ceil(N/16), K/G, 16] or empty");
+  auto out = torch::empty({m, n}, x.options());
+  ak::WLowArgs a{};
+  a.x = x.data_ptr<float>();
+  a.M = m;
+  a.K = k;
+  a.N = n;
+  a.lo = lo.data_ptr<uint8_t>();
+  a.hi = bits == 6 ? hiw.data_ptr<uint8_t>() : nullptr;
+  a.wsum = reinterpret_cast<const int16_t*>(hiw.data_ptr<uint8_t>() + hi_bytes);
+  a.scale = scale.data_ptr<float>();
+  a.offset = offset.numel() ? offset.data_ptr<float>() : nullptr;
+  a.group = (int)group;
+  a.bits = (int)bits;
+  a.out = out.data_ptr<float>();
+  if (m > 0 && n > 0) K()->gemm_wlow_a8(a);
+  return out;
+}
+
 // fp32 GEMM over weights prepacked by appliance/layers/linear.py (backend "native").
 torch::Tensor gemm_f32(const torch::Tensor& x, const torch::Tensor& wp, const c10::optional<torch::Tensor>& bias,
                        int64_t n, bool silu_mul) {
@@ -285,10 +324,11 @@ torch::Tensor gemm_bf16(const torch::Tensor& x_in, const torch::Tensor& wp, cons
 //               ints {group};
 //   kLinInt8Pack _weight_int8pack_mm on bf16 activations (w8a16_int8pack): aux {bf16 scales}.
 //   kLinBF16    gemm_bf16 over pack_bf16's panels (native_bf16).
+//   kLinWLow    gemm_wlow_a8 (w4a8_native, w6a8_native): aux {hiw, scale, offset}, ints {group, bits}.
 // offset_t [G, N] (empty: none) is the group zero points' term: x's G group sums times it, added.
 enum LinearKind : int64_t {
   kLinNative = 0, kLinOneDNN = 1, kLinTorch = 2, kLinW8G = 3, kLinInt4Pack = 4, kLinDynQuant4 = 5, kLinInt8Pack = 6,
-  kLinBF16 = 7
+  kLinBF16 = 7, kLinWLow = 8
 };
 
 // oneDNN's prepacked linear, as Linear.forward calls it (mkldnn::_linear_pointwise, attr "none").
@@ -370,6 +410,8 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
       y = add_offset(at::_dyn_quant_matmul_4bit(xf, w, ki[1], x.size(1), n), xf, lin[4]);
     } else if (kind == kLinInt8Pack) {
       y = at::_weight_int8pack_mm(x.to(torch::kBFloat16), w, lin[2]).to(torch::kFloat32);
+    } else if (kind == kLinWLow) {
+      y = gemm_wlow_a8(x.to(torch::kFloat32).contiguous(), w, lin[2], lin[3], lin[4], n, ki[1], ki[2]);
     } else {
       TORCH_CHECK(false, "llama_layers: unknown linear kind ", kind);
     }
@@ -461,6 +503,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("key_cache"), pybind11::arg("value_cache"), pybind11::arg("slot_mapping"),
         pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none());
   m.def("gemm_w8g_a8", &gemm_w8g_a8);
+  m.def("gemm_wlow_a8", &gemm_wlow_a8);
   m.def("gemm_f32", &gemm_f32, pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("n"), pybind11::arg("silu_mul") = false);
   m.def("argmax_rows", &argmax_rows);

@@ -471,6 +471,95 @@ void check_w8g(const std::vector<const KernelTable*>& variants) {
 }
 
 // ------------------------------------------------------------------------------------------
+// Low-bit weights (gemm_wlow_a8, 4 and 6 bits, with and without offsets) against a double-precision
+// reference of the same quantized math. Extremes: every weight at the top or bottom of its range and
+// activations coded 127 / -128, so that no clipped integer sum could hide.
+
+void check_wlow(const std::vector<const KernelTable*>& variants) {
+  struct Case { int M, N, K, G, bits; bool off; int extreme; };
+  const Case cases[] = {{1, 37, 256, 32, 4, true, 0}, {3, 40, 896, 32, 4, true, 0}, {9, 33, 512, 32, 4, false, 0},
+                        {1, 17, 256, 16, 6, false, 0}, {5, 48, 768, 16, 6, false, 0}, {2, 20, 512, 32, 4, true, 1},
+                        {3, 16, 512, 16, 6, false, 1}, {1, 64, 4864, 32, 4, true, 0}};
+  Rng rng(13);
+  for (const Case& c : cases) {
+    const int tiles = (c.N + 15) / 16, groups = c.K / c.G, ctr = c.bits == 6 ? 32 : 8;
+    std::vector<int> q((size_t)c.N * c.K);
+    std::vector<float> sc((size_t)c.N * groups), off((size_t)c.N * groups), x((size_t)c.M * c.K);
+    for (auto& v : q) v = (int)(rng.next() % (2 * ctr)) - ctr;
+    for (auto& v : sc) v = 1e-3f + 0.01f * rng.uniform();
+    for (auto& v : off) v = c.off ? 0.02f * rng.normal() : 0.f;
+    for (int m = 0; m < c.M; ++m)
+      for (int k = 0; k < c.K; ++k) x[(size_t)m * c.K + k] = 2 * rng.normal() + (k == 0 ? 3.f : 0.f);
+    if (c.extreme) {
+      for (int n = 0; n < c.N; ++n)
+        for (int k = 0; k < c.K; ++k) q[(size_t)n * c.K + k] = (n + k) % 2 ? ctr - 1 : -ctr;
+      for (int m = 0; m < c.M; ++m)
+        for (int k = 0; k < c.K; ++k) x[(size_t)m * c.K + k] = k % 2 ? -1.f : 0.99f;
+      for (auto& v : sc) v = 65504.f * 63.f;  // an fp16 d at its largest times the largest 6-bit sub-scale
+    }
+    // pack (appliance_kernels.h, WLowArgs)
+    std::vector<uint8_t> lo((size_t)tiles * 8 * c.K, 0), hi((size_t)tiles * 4 * c.K, 0);
+    std::vector<float> ps((size_t)tiles * groups * 16, 0.f), po((size_t)tiles * groups * 16, 0.f);
+    std::vector<int16_t> pws((size_t)tiles * groups * 16, 0);
+    // rows past N: u = 0 (q = -ctr), their group sums to match
+    for (int n = c.N; n < tiles * 16; ++n)
+      for (int g = 0; g < groups; ++g) pws[((size_t)(n / 16) * groups + g) * 16 + n % 16] = (int16_t)(-ctr * c.G);
+    for (int n = 0; n < c.N; ++n) {
+      const int t = n / 16, r = n % 16;
+      for (int g = 0; g < groups; ++g) {
+        int sum = 0;
+        for (int k = g * c.G; k < (g + 1) * c.G; ++k) sum += q[(size_t)n * c.K + k];
+        pws[((size_t)t * groups + g) * 16 + r] = (int16_t)sum;
+      }
+      for (int k = 0; k < c.K; ++k) {
+        const int u = q[(size_t)n * c.K + k] + ctr;
+        const int s8 = k / 8, j = k % 4, half = (k % 8) / 4;
+        lo[(((size_t)t * (c.K / 8) + s8) * 16 + r) * 4 + j] |= (uint8_t)((u & 15) << (4 * half));
+        const int s16 = k / 16, p = (k % 16) / 4;
+        hi[(((size_t)t * (c.K / 16) + s16) * 16 + r) * 4 + j] |= (uint8_t)((u >> 4) << (2 * p));
+      }
+      for (int g = 0; g < groups; ++g) {
+        ps[((size_t)t * groups + g) * 16 + r] = sc[(size_t)n * groups + g];
+        po[((size_t)t * groups + g) * 16 + r] = off[(size_t)n * groups + g];
+      }
+    }
+    std::vector<float> ref((size_t)c.M * c.N);
+    double mx = 0;
+    for (int m = 0; m < c.M; ++m) {
+      const float* xr = x.data() + (size_t)m * c.K;
+      float lo_ = 0.f, hi_ = 0.f;
+      for (int k = 0; k < c.K; ++k) lo_ = std::min(lo_, xr[k]), hi_ = std::max(hi_, xr[k]);
+      const float s = std::max((hi_ - lo_) / 255.f, 1e-12f);
+      const float zp = std::min(127.f, std::max(-128.f, std::nearbyint(-128.f - lo_ / s)));
+      for (int n = 0; n < c.N; ++n) {
+        double acc = 0, ao = 0;
+        for (int k = 0; k < c.K; ++k) {
+          const float xq = std::min(127.f, std::max(-128.f, std::nearbyint(xr[k] / s) + zp));
+          acc += (double)(xq - zp) * q[(size_t)n * c.K + k] * sc[(size_t)n * groups + k / c.G];
+          ao += (double)xr[k] * off[(size_t)n * groups + k / c.G];
+        }
+        const double y = acc * s + ao;
+        ref[(size_t)m * c.N + n] = (float)y;
+        mx = std::max(mx, std::fabs(acc * s) + std::fabs(ao));
+      }
+    }
+    const double tol = 2e-5 * mx * std::sqrt(c.K / 576.0) + 1e-6;
+    for (const KernelTable* kt : variants) {
+      std::vector<float> out((size_t)c.M * c.N, -1.f);
+      WLowArgs a{x.data(), c.M, c.K, c.N, lo.data(), c.bits == 6 ? hi.data() : nullptr, ps.data(),
+                 c.off ? po.data() : nullptr, c.G, c.bits, out.data(), pws.data()};
+      kt->gemm_wlow_a8(a);
+      double err;
+      char what[96];
+      std::snprintf(what, sizeof what, "wlow M=%d N=%d K=%d G=%d bits=%d%s%s", c.M, c.N, c.K, c.G, c.bits,
+                    c.off ? " offsets" : "", c.extreme ? " extremes" : "");
+      const bool ok = close_enough(out, ref, tol, 0, &err);
+      report(ok, kt->name, what, err);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
 // fp32 GEMM over panel-packed weights (gemm_f32) against a double-precision product.
 
 void check_sgemm(const std::vector<const KernelTable*>& variants) {
@@ -887,6 +976,7 @@ int main(int argc, char** argv) {
   check_rows(variants);
   check_attention(variants);
   check_w8g(variants);
+  check_wlow(variants);
   check_sgemm(variants);
   check_gemm_grid(variants);
   check_argmax(variants);

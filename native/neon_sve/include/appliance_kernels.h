@@ -80,6 +80,35 @@ struct W8GArgs {
   float* out;           // [M, N] fp32, contiguous
 };
 
+// Low-bit (4- or 6-bit) weights, group-wise scales and optional per-group offsets, int8 activations
+// (gemm_wlow_a8: GGUF Q4_K / Q4_0 / Q4_1 and Q6_K kept at about their size in the file). Weights are
+// held as u = q + c (c = 8 for 4 bits, q in [-8, 7]; c = 32 for 6 bits, q in [-32, 31]) in the
+// 16-row tiles of W8GArgs (appliance/layers/methods/lowbit.py packs them):
+//   lo     uint8 [ceil(N/16)][K/8][16][4]: tile t, step s, row r, byte j: low nibble = low 4 bits of
+//          u[16t + r, 8s + j], high nibble = low 4 bits of u[16t + r, 8s + 4 + j];
+//   hi     (6 bits only) uint8 [ceil(N/16)][K/16][16][4]: bits 2p..2p+1 of byte j = u[.., 16s + 4p + j] >> 4;
+//   scale  fp32 [ceil(N/16)][K/G][16]; offset fp32 [ceil(N/16)][K/G][16] or null.
+// The weight is w[n, k] = scale[n, g] * q[n, k] + offset[n, g] (offset = -zero_point * scale). Per
+// token m and row n:
+//   out[m, n] = s[m] sum_g scale[n, g] (sum_{k in g} xq q - zp[m] sum_{k in g} q) + sum_g offset[n, g] xsum[m, g]
+// i.e. gemm_w8g_a8's exact integer bracket over q, plus the offsets against the float activations'
+// group sums xsum (fp32, in order). x86 (AVX2 and up) multiplies the unsigned u straight from the
+// nibbles by int8 activations with VPMADDUBSW (sum xq q = sum xq u - c sum xq: exact; see
+// w8g_x86.inc for the int16 bound); the other variants unpack each tile a 256-input chunk at a time
+// into gemm_w8g_a8's layout in L1 and run their own W8A8 work item (SDOT, SMMLA, portable).
+struct WLowArgs {
+  const float* x;        // [M, K] fp32, contiguous
+  int64_t M, K, N;       // K % 16 == 0, K % G == 0
+  const uint8_t* lo;
+  const uint8_t* hi;     // null for 4 bits
+  const float* scale;
+  const float* offset;   // null: no offsets
+  int group;             // G: a multiple of 16, at most 256
+  int bits;              // 4 or 6
+  float* out;            // [M, N] fp32, contiguous
+  const int16_t* wsum;   // [ceil(N/16)][K/G][16]: the group's integer sum of q (|sum| <= 32 * 256)
+};
+
 struct KernelTable {
   const char* name;
   // Causal paged attention (optionally windowed, soft-capped), semantics of
@@ -143,6 +172,8 @@ struct KernelTable {
                                   void* key_cache, void* value_cache, int cache_dtype, float* k_scale,
                                   float* v_scale, const int64_t* slot_mapping, int64_t num_tokens,
                                   int num_kv_heads, int head_size, int block_size);
+  // Low-bit weights (4 or 6 bits) with int8 activations (see WLowArgs).
+  void (*gemm_wlow_a8)(const WLowArgs& a);
 };
 
 // Output columns per prepacked panel of gemm_f32 (the layout is the same for every variant).

@@ -93,6 +93,24 @@ struct W8GBlock {
   bool has_m128;        // some q == -128 in the weights
 };
 
+// One chunk [k0, k0 + kc) of a 16-row tile of low-bit weights (WLowArgs) against T tokens, added to
+// acc[t * 16 + r] before the token's scale: acc += sum_g scale[g][r] * (sum_k xq q - zp wsum[g][r]).
+struct WLowBlock {
+  const uint8_t* lo;     // the tile's nibble plane, [K/8][16][4]
+  const uint8_t* hi;     // the tile's 2-bit plane [K/16][16][4], or null (4 bits)
+  int64_t k0, kc;        // k0 and kc multiples of G (and of 16)
+  int G, bits;
+  const int8_t* x;       // token 0's int8 xq from input k0; token t at x + t * ldx
+  int64_t ldx;
+  int T;
+  const int32_t* xsum;   // token t, group g of the chunk: xsum[t * ldg + g] = sum of its xq
+  int64_t ldg;
+  const float* zp;       // [T] the tokens' zero points
+  const float* scale;    // [kc/G][16] the chunk's group scales
+  const int16_t* wsum;   // [kc/G][16] the chunk's integer group sums of q
+  float* acc;            // [T][16]
+};
+
 // Bytes of zeroed scratch (gemm_w8g_a8's quantized activations); baseline-compiled like FloatBuf.
 class ByteBuf {
  public:

@@ -816,6 +816,164 @@ static void gemm_w8g_a8(const W8GArgs& a) {
   }
 }
 
+// ------------------------------------------------------------------ low-bit weights (WLowArgs)
+
+// Inputs per unpacked chunk: a 16-row tile's chunk is 4 KiB of int8 q (gemm_w8g_a8's layout), which
+// stays in L1 while the variant's W8A8 work item reads it.
+constexpr int64_t kWLowChunk = 256;
+
+#ifndef AK_WLOW_FAST
+// Unpack inputs [k0, k0 + kc) of one tile into q (gemm_w8g_a8's [kc/4][16][4] int8 layout).
+static void wlow_unpack(const uint8_t* lo, const uint8_t* hi, int bits, int64_t k0, int64_t kc, int8_t* q) {
+  const int c = bits == 6 ? 32 : 8;
+  const uint8_t* l = lo + (k0 / 8) * 64;
+  for (int64_t s = 0; s < kc / 8; ++s) {
+    const uint8_t* v = l + s * 64;
+    int8_t* a = q + (2 * s) * 64;
+    int8_t* b = a + 64;
+    for (int i = 0; i < 64; ++i) {
+      a[i] = (int8_t)((v[i] & 15) - c);
+      b[i] = (int8_t)((v[i] >> 4) - c);
+    }
+  }
+  if (bits == 6) {
+    const uint8_t* h = hi + (k0 / 16) * 64;
+    for (int64_t s = 0; s < kc / 16; ++s) {
+      const uint8_t* v = h + s * 64;
+      for (int p = 0; p < 4; ++p) {
+        int8_t* a = q + (4 * s + p) * 64;
+        for (int i = 0; i < 64; ++i) a[i] = (int8_t)(a[i] + (((v[i] >> (2 * p)) & 3) << 4));
+      }
+    }
+  }
+}
+#endif
+
+static void gemm_wlow_a8(const WLowArgs& a) {
+#ifdef AK_WLOW_FAST
+  const int bias = 0;  // wlow_block_fast takes int8 xq
+#else
+  const int bias = w8g_act_bias();
+#endif
+  const int64_t M = a.M, K = a.K, N = a.N, G = a.group, groups = K / G;
+  ByteBuf xq((size_t)(M * K));
+  FloatBuf corr((size_t)M), sx((size_t)M), xs((size_t)(a.offset ? M * groups : 1));
+#ifdef AK_WLOW_FAST
+  ByteBuf xsum_buf((size_t)(M * groups) * sizeof(int32_t));  // not a std::vector: see FloatBuf
+  int32_t* xsum = reinterpret_cast<int32_t*>(xsum_buf.data());
+#endif
+#pragma omp parallel for schedule(static) if (M * K > (1 << 15))
+  for (int64_t m = 0; m < M; ++m) {
+    w8g_quant_row(a.x + m * K, K, bias, xq.data() + m * K, corr.data() + m, sx.data() + m);
+    if (a.offset)
+      for (int64_t g = 0; g < groups; ++g) {
+        float sum = 0.f;
+        for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += a.x[m * K + k];
+        xs.data()[m * groups + g] = sum;
+      }
+#ifdef AK_WLOW_FAST
+    const int8_t* xr = reinterpret_cast<const int8_t*>(xq.data() + m * K);
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t sum = 0;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += xr[k];
+      xsum[m * groups + g] = sum;
+    }
+#endif
+  }
+  // whole groups per chunk
+  const int64_t chunk = std::max<int64_t>(G, kWLowChunk / G * G);
+  const int64_t tiles = (N + 15) / 16;
+  // the tile's rows: sx * acc plus the offsets' term against the float group sums
+  auto finish = [&](int64_t tile, int64_t m, const float* ac, float s) {
+    const int rows = (int)std::min<int64_t>(16, N - tile * 16);
+    float* o = a.out + m * N + tile * 16;
+    float y[16];
+    for (int r = 0; r < 16; ++r) y[r] = s * ac[r];
+    if (a.offset) {
+      const float* off = a.offset + tile * groups * 16;
+      const float* xg = xs.data() + m * groups;
+      for (int64_t g = 0; g < groups; ++g)
+        for (int r = 0; r < 16; ++r) y[r] += off[g * 16 + r] * xg[g];
+    }
+    for (int r = 0; r < rows; ++r) o[r] = y[r];
+  };
+#ifdef AK_WLOW_FAST
+  // Items: tiles; each chunk of a tile's weights (a few KiB, in L1) meets every token in turn.
+#pragma omp parallel if (tiles > 1 && M * N * K > (1 << 16))
+  {
+    FloatBuf acc((size_t)(M * 16));
+#pragma omp for schedule(static)
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      for (int64_t j = 0; j < M * 16; ++j) acc.data()[j] = 0.f;
+      for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+        WLowBlock b;
+        b.lo = a.lo + tile * 8 * K;
+        b.hi = a.hi ? a.hi + tile * 4 * K : nullptr;
+        b.k0 = k0;
+        b.kc = std::min(chunk, K - k0);
+        b.G = (int)G;
+        b.bits = a.bits;
+        b.x = reinterpret_cast<const int8_t*>(xq.data()) + k0;
+        b.ldx = K;
+        b.T = (int)M;
+        b.xsum = xsum + k0 / G;
+        b.ldg = groups;
+        b.zp = corr.data();
+        b.scale = a.scale + (tile * groups + k0 / G) * 16;
+        b.wsum = a.wsum + (tile * groups + k0 / G) * 16;
+        b.acc = acc.data();
+        wlow_block_fast(b);
+      }
+      for (int64_t m = 0; m < M; ++m) finish(tile, m, acc.data() + m * 16, sx.data()[m]);
+    }
+  }
+#else
+  const int64_t blocks = (M + kW8GTokens - 1) / kW8GTokens;
+#pragma omp parallel if (tiles * blocks > 1 && M * N * K > (1 << 16))
+  {
+    ByteBuf qbuf((size_t)(chunk * 16)), xbuf((size_t)(chunk * kW8GTokens));
+    FloatBuf wsum((size_t)chunk), tmp(16 * kW8GTokens), acc(16 * kW8GTokens);
+    int8_t* q = reinterpret_cast<int8_t*>(qbuf.data());
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < tiles * blocks; ++i) {
+      const int64_t tile = i / blocks, m0 = (i % blocks) * kW8GTokens;
+      const int T = (int)std::min<int64_t>(kW8GTokens, M - m0);
+      const uint8_t* lo = a.lo + tile * 8 * K;
+      const uint8_t* hi = a.hi ? a.hi + tile * 4 * K : nullptr;
+      for (int j = 0; j < 16 * T; ++j) acc.data()[j] = 0.f;
+      for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+        const int64_t kc = std::min(chunk, K - k0);
+        wlow_unpack(lo, hi, a.bits, k0, kc, q);
+        const int16_t* ws = a.wsum + (tile * groups + k0 / G) * 16;
+        for (int64_t j = 0; j < kc / G * 16; ++j) wsum.data()[j] = (float)ws[j];
+        W8GBlock b;
+        if (T == 1) {
+          b.x = xq.data() + m0 * K + k0;
+        } else {  // the work item reads token t at x + t * K: the chunk's tokens side by side
+          for (int t = 0; t < T; ++t) std::memcpy(xbuf.data() + t * kc, xq.data() + (m0 + t) * K + k0, (size_t)kc);
+          b.x = xbuf.data();
+        }
+        b.K = kc;
+        b.T = T;
+        b.corr = corr.data() + m0;
+        b.sx = sx.data() + m0;
+        b.w = q;
+        b.scale = a.scale + (tile * groups + k0 / G) * 16;
+        b.wsum = wsum.data();
+        b.G = (int)G;
+        b.out = tmp.data();
+        b.ldo = 16;
+        b.rows = 16;
+        b.has_m128 = false;  // |q| <= 32
+        if (!w8g_block_fast(b)) w8g_block_scalar(b, bias);
+        for (int j = 0; j < 16 * T; ++j) acc.data()[j] += tmp.data()[j];
+      }
+      for (int t = 0; t < T; ++t) finish(tile, m0 + t, acc.data() + t * 16, 1.f);  // tmp holds sx already
+    }
+  }
+#endif
+}
+
 // ------------------------------------------------------------------ fp32 GEMM, prepacked weights
 //
 // Decode-sized GEMMs (tens of rows) are where a general library loses most: each weight is used
@@ -1080,4 +1238,5 @@ static const KernelTable kTable = {
     impl::gemm_f32,         impl::argmax_rows,
     impl::gemm_bf16,
     impl::reshape_and_cache_quant,
+    impl::gemm_wlow_a8,
 };

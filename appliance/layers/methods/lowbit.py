@@ -1,0 +1,176 @@
+"""Low-bit native methods: ``w4a8_native`` (W4 groups: GGUF Q4_K, Q4_0, Q4_1, AWQ/GPTQ at group
+sizes the kernel takes) and ``w6a8_native`` (W8-scheme groups whose values fit 6 bits: GGUF Q6_K,
+Q5_0, Q5_1, Q5_K, Q3_K, Q2_K).
+
+Both run the native kernels' ``gemm_wlow_a8`` (native/neon_sve/include/appliance_kernels.h,
+``WLowArgs``): weights held as 4-bit (``u = q + 8``) or 6-bit (``u = q + 32``) unsigned values in
+16-row tiles (a nibble plane, plus a 2-bit plane for 6 bits), a float32 scale and an int16 integer
+sum of q per group and, with zero points, a float32 offset ``-zero_point * scale`` per group. Bytes
+per weight held: 4 bits, group 32, with offsets: 0.5 + 10 / 32 = 0.8125 (no offsets: 0.6875); 6
+bits, group 16: 0.75 + 6 / 16 = 1.125 (group 32: 0.9375); against 1 + 8 / G for ``w8a8_native``'s
+int8 tiles with fp32 scale and weight sum (1.5 at group 16, 1.25 at 32).
+
+The math is ``w8a8_native``'s exactly: activations quantized per token (``quant_act``), the integer
+dot products of each group exact, and the zero point's term against the float activations' group
+sums (inside the kernel rather than ``qmath.add_offset``'s GEMM). On x86 VPMADDUBSW multiplies the
+unsigned 4/6-bit values straight from the planes by the int8 activations (w8g_x86.inc proves the
+int16 bound); other variants unpack a tile 256 inputs at a time into ``gemm_w8g_a8``'s int8 layout
+in L1 and run their own W8A8 work item (SDOT / SMMLA on Arm, portable). What is read from memory
+per decode step is the low-bit weight, not int8.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from appliance.layers.methods.base import FusedLinear, native_extension_problem, register
+from appliance.layers.methods.qmath import QuantMethod, dequantize, offset, offset_reference, quant_act_asym
+
+# gemm_wlow_a8's groups: multiples of 16 up to 256 (a per-channel scale is repeated over the
+# largest of these dividing K)
+_GROUPS = (256, 128, 64, 32, 16)
+# LinearKind kLinWLow in native/neon_sve/bindings/torch_bindings.cpp
+_KIND = 8
+
+
+def _native():
+    from appliance.ops import native
+
+    return native
+
+
+def kernel_group(k: int, group_size: int) -> int | None:
+    """The kernel's group for a layer of ``k`` inputs and this group size (``k``: per channel), or None."""
+    if k % 16 or k % group_size:
+        return None
+    return next((g for g in _GROUPS if group_size % g == 0), None)
+
+
+def _tiles(t: torch.Tensor) -> torch.Tensor:
+    """[N, C] -> [ceil(N/16), C, 16] (zero rows past N): a per-group table in the tile layout."""
+    n, c = t.shape
+    t = torch.nn.functional.pad(t, (0, 0, 0, -n % 16))
+    return t.reshape(-1, 16, c).permute(0, 2, 1).contiguous()
+
+
+def pack_lowbit(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, bits: int) -> dict:
+    """The ``WLowArgs`` layout of a canonical weight whose values fit ``bits`` (4: [-8, 7], 6: [-32, 31])."""
+    n, k = qweight.shape
+    centre = 8 if bits == 4 else 32
+    lo_q, hi_q = -centre, centre - 1
+    qn = qweight.numpy()  # numpy's int8 min/max are ~100x faster than torch's
+    if qn.size and not (int(qn.min()) >= lo_q and int(qn.max()) <= hi_q):
+        raise ValueError(f"w{bits}a8_native: weight values must lie in [{lo_q}, {hi_q}]; got "
+                         f"[{int(qn.min())}, {int(qn.max())}]")
+    g = k // scale.shape[1]
+    kg = kernel_group(k, g)
+    if kg is None:
+        raise ValueError(f"w{bits}a8_native: needs in_features a multiple of 16 and a group a multiple of 16 "
+                         f"(<= 256 per kernel group); got in_features={k}, group={g}")
+    pad = -n % 16
+    u = torch.nn.functional.pad((qweight.to(torch.int16) + centre).to(torch.uint8), (0, 0, 0, pad), value=centre)
+    tiles = (n + pad) // 16
+    # lo[t, s, r, j]: low nibbles of u[16t + r, 8s + j] (low) and u[16t + r, 8s + 4 + j] (high)
+    u8 = u.reshape(tiles, 16, k // 8, 2, 4)
+    lo = ((u8[..., 0, :] & 15) | ((u8[..., 1, :] & 15) << 4)).permute(0, 2, 1, 3).contiguous()
+    hi = None
+    if bits == 6:
+        # hi[t, s, r, j]: bits 2p..2p+1 = u[16t + r, 16s + 4p + j] >> 4
+        u16 = (u.reshape(tiles, 16, k // 16, 4, 4) >> 4).to(torch.int32)
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32).reshape(1, 1, 1, 4, 1)
+        hi = (u16 << shifts).sum(3).to(torch.uint8).permute(0, 2, 1, 3).contiguous()
+    s = scale.float().repeat_interleave(g // kg, dim=1)
+    off = offset(scale, zero_point)
+    if off is not None:
+        off = off.repeat_interleave(g // kg, dim=1)
+    # the integer sum of q per kernel group (|sum| <= 32 * 256: int16), for the activations' zero point
+    usum = np.add.reduce(u.numpy().reshape(n + pad, k // kg, kg), axis=-1, dtype=np.int32)  # numpy: no int32 copy
+    wsum = _tiles(torch.from_numpy(usum - centre * kg)).to(torch.int16)
+    # one uint8 tensor: the 2-bit plane (6 bits), then the group sums (the kernel's hiw)
+    hiw = torch.cat([hi.reshape(-1) if hi is not None else torch.empty(0, dtype=torch.uint8),
+                     wsum.reshape(-1).view(torch.uint8)])
+    return {"lo": lo, "hiw": hiw, "scale": _tiles(s), "offset": None if off is None else _tiles(off),
+            "group": kg, "bits": bits, "n": n, "k": k}
+
+
+def _planes(p: dict) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Views of ``hiw``: the 2-bit plane [tiles, K/16, 16, 4] (None for 4 bits) and the int16 group sums."""
+    tiles, k = p["lo"].shape[0], p["k"]
+    hb = tiles * 4 * k if p["bits"] == 6 else 0
+    hi = p["hiw"][:hb].view(tiles, k // 16, 16, 4) if hb else None
+    return hi, p["hiw"][hb:].view(torch.int16)
+
+
+def _empty() -> torch.Tensor:
+    return torch.empty(0)
+
+
+class _LowBit(QuantMethod):
+    bits: int
+
+    def host_problem(self, dtype=torch.float32, device=torch.device("cpu")):
+        return native_extension_problem()
+
+    def takes(self, n, k, group_size):
+        return kernel_group(k, group_size) is not None
+
+    def takes_values(self, qweight: torch.Tensor) -> bool:
+        """Whether every value of this canonical weight fits the method's bits."""
+        c = 8 if self.bits == 4 else 32
+        q = qweight.numpy()
+        return q.size == 0 or (int(q.min()) >= -c and int(q.max()) <= c - 1)
+
+    def pack(self, qweight, scale, zero_point=None):
+        return pack_lowbit(qweight, scale, zero_point, self.bits)
+
+    def apply(self, p, x):
+        return _native().gemm_wlow_a8(x.float().contiguous(), p["lo"], p["hiw"], p["scale"],
+                                      p["offset"] if p["offset"] is not None else _empty(), p["n"], p["group"], p["bits"])
+
+    def fused_descriptor(self, p, silu_mul_next=False):
+        return FusedLinear(_KIND, p["lo"], None, (p["hiw"], p["scale"], p["offset"]), (p["group"], p["bits"]))
+
+    gives_rows = True
+
+    def dequantize_rows(self, p, ids):
+        # row r is row r % 16 of tile r // 16. q * scale is exact in fp32 for the GGUF types (an fp16
+        # scale times a <= 8-bit sub-scale times a <= 6-bit integer); with an offset the result is
+        # rounded once more, as the kernel's per-group term is.
+        tile, r = ids // 16, ids % 16
+        lo = p["lo"][tile, :, r, :].to(torch.int16)  # [R, K/8, 4]
+        u = torch.stack([lo & 15, lo >> 4], dim=2).reshape(len(ids), -1)  # [R, K]: 8s + 4h + j
+        hi_plane, _ = _planes(p)
+        if hi_plane is not None:
+            hi = hi_plane[tile, :, r, :].to(torch.int16)  # [R, K/16, 4]
+            h = torch.stack([(hi >> (2 * q)) & 3 for q in range(4)], dim=2).reshape(len(ids), -1)
+            u = u | (h << 4)
+        q = (u - (8 if p["bits"] == 4 else 32)).double()
+        g = p["group"]
+        w = q * p["scale"][tile, :, r].double().repeat_interleave(g, dim=1)
+        if p["offset"] is not None:
+            w += p["offset"][tile, :, r].double().repeat_interleave(g, dim=1)
+        return w.float()
+
+    def _reference(self, x, qweight, scale, zero_point):
+        # quantized activations meet the symmetric part; the zero point's term meets float activations
+        return quant_act_asym(x.float()).double() @ dequantize(qweight, scale).t() + offset_reference(x, scale, zero_point)
+
+
+@register
+class W4A8Native(_LowBit):
+    """W4 groups (multiples of 16 up to 256, or per channel) on ``gemm_wlow_a8``, 4 bits a weight."""
+
+    name = "w4a8_native"
+    scheme = "w4a8"
+    bits = 4
+
+
+@register
+class W6A8Native(_LowBit):
+    """W8-scheme groups whose values fit 6 bits ([-32, 31]: GGUF Q6_K, Q5_*, Q3_K, Q2_K) on
+    ``gemm_wlow_a8``, 6 bits a weight; a layer holding any other value is not given to it
+    (``takes_values``)."""
+
+    name = "w6a8_native"
+    scheme = "w8a8"
+    bits = 6

@@ -1,0 +1,121 @@
+"""``w4a8_native`` and ``w6a8_native`` (appliance/layers/methods/lowbit.py, the native kernels'
+``gemm_wlow_a8``): GGUF Q4_K / Q4_0 / Q4_1 and Q6_K / Q5_0 blocks decoded to the canonical form, packed
+into 4- and 6-bit tiles, and applied.
+
+- Held weights: the packed form read back (``dequantize_rows``) equals gguf's own fp64 ``dequantize`` of
+  the blocks to fp32 rounding: exactly for the symmetric types, within 2^-22 of the group's largest
+  weight with a zero point (the fp32 rounding of ``-zero_point * scale``).
+- Outputs: against the fp64 reference of the math the kernel performs (activations quantized per token,
+  as every A8 method; ``method.reference``), relative 2e-5 of the output scale (fp32 sums over groups).
+- Worst cases: every weight at the ends of its range, activations coded 127 / -128 (no cancellation
+  to hide a clipped integer sum), scales at fp16's largest times the largest sub-scale and at fp16's
+  smallest subnormal: the same tolerance.
+- Held size: 4 bits + fp32 scale, int16 sum and fp32 offset per 32 = 0.8125 B/weight; 6 bits + fp32
+  scale and int16 sum per 16 = 1.125 (per 32: 0.9375).
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from appliance.layers import methods
+from appliance.layers.quant import packed_bytes
+from appliance.models.gguf_quants import KEPT, canonical
+from appliance.ops import native
+
+pytestmark = pytest.mark.skipif(not native.is_available(), reason="the native kernels are not built")
+
+W4, W6 = methods.get("w4a8_native"), methods.get("w6a8_native")
+
+
+def _kquant_blocks(qtype: str, n: int, k: int, rng) -> np.ndarray:
+    """Random K-quant blocks (gguf cannot quantize K-quants) with realistic fp16 d / dmin."""
+    bt = KEPT[qtype]
+    raw = rng.integers(0, 256, (n, k // bt.block_size * bt.type_size), dtype=np.uint8)
+    blocks = raw.reshape(-1, bt.type_size)
+    for at, scale in {"Q4_K": ((0, 3e-5), (2, 3e-5)), "Q6_K": ((208, 1e-5),)}[qtype]:
+        blocks[:, at:at + 2] = (np.abs(rng.standard_normal(len(blocks))) * scale + scale / 4).astype(
+            np.float16).reshape(-1, 1).view(np.uint8)
+    return raw
+
+
+def _blocks(qtype: str, n: int, k: int, rng) -> np.ndarray:
+    if qtype in ("Q4_K", "Q6_K"):
+        return _kquant_blocks(qtype, n, k, rng)
+    w = (rng.standard_normal((n, k)) * 0.03).astype(np.float32)
+    return gguf_quantize(w, gguf.GGMLQuantizationType[qtype])
+
+
+def _method(qtype: str):
+    return W4 if KEPT[qtype].scheme == "w4a8" else W6
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q4_0", "Q4_1", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("n,k", [(40, 512), (17, 768)])
+def test_held_weights_are_ggufs_dequantization_and_outputs_the_reference(qtype, n, k):
+    rng = np.random.default_rng(1)
+    raw = _blocks(qtype, n, k, rng)
+    cw = canonical(qtype, raw, n, k)
+    m = _method(qtype)
+    assert m.takes(n, k, cw.group)
+    p = m.pack(cw.qweight, cw.scale, cw.zero_point)
+    want = torch.from_numpy(gguf_dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, k)).double()
+    got = m.dequantize_rows(p, torch.arange(n)).double()
+    groupmax = want.abs().reshape(n, -1, 32).amax(-1, keepdim=True)
+    tol = 0.0 if cw.zero_point is None else 2.0 ** -22
+    assert ((got - want).reshape(n, -1, 32).abs() <= tol * groupmax + 1e-30).all()
+    for rows in (1, 3, 9):
+        x = torch.randn(rows, k) + (torch.arange(k) == 0) * 3.0
+        y = m.apply(p, x).double()
+        ref = m.reference(x, cw.qweight, cw.scale, zero_point=cw.zero_point)
+        assert (y - ref).abs().max().item() <= 2e-5 * ref.abs().max().item(), (qtype, rows)
+    # what it holds, bytes per weight (padding rows aside): 4 or 6 bits, an fp32 scale and int16 sum
+    # of q per group, and an fp32 offset per group with zero points
+    per_weight = packed_bytes(p) / (((n + 15) // 16 * 16) * k)
+    g = p["group"]
+    want_bpw = {4: 0.5 + 6 / g + (4 / g if cw.zero_point is not None else 0), 6: 0.75 + 6 / g}
+    assert per_weight == pytest.approx(want_bpw[m.bits])
+
+
+@pytest.mark.parametrize("bits,group,zp", [(4, 32, True), (4, 32, False), (6, 16, False), (6, 32, True)])
+@pytest.mark.parametrize("scale_at", ["fp16_max", "fp16_min"])
+def test_worst_case_blocks(bits, group, zp, scale_at):
+    """Every weight at an end of its range and every activation coded 127 / -128 with all products of
+    one sign: the integer sums are at their largest and nothing cancels (a saturating int16 pair sum
+    would show as an error of order one). Scales: fp16's largest (65504) times the largest 6-bit
+    sub-scale (63); and fp16's smallest subnormal (2^-24)."""
+    m = W4 if bits == 4 else W6
+    n, k = 32, 512
+    c = 8 if bits == 4 else 32
+    kk = torch.arange(k)
+    q = torch.where(((torch.arange(n)[:, None] + kk) % 2) == 1, c - 1, -c).to(torch.int8)
+    s = 65504.0 * 63 if scale_at == "fp16_max" else 2.0 ** -24
+    scale = torch.full((n, k // group), s)
+    zero_point = torch.full((n, k // group), -3.0) if zp else None
+    p = m.pack(q, scale, zero_point)
+    x = torch.where(kk % 2 == 1, -1.0, 0.99).reshape(1, k).repeat(2, 1)
+    from appliance.layers.methods.qmath import quant_act
+
+    xq, _, _ = quant_act(x)
+    assert set(xq.unique().tolist()) == {-128.0, 127.0}  # the codes at their ends
+    y = m.apply(p, x).double()
+    ref = m.reference(x, q, scale, zero_point=zero_point)
+    assert (y - ref).abs().max().item() <= 2e-5 * ref.abs().max().item()
+
+
+def test_six_bit_method_refuses_wider_values():
+    q = torch.zeros(16, 64, dtype=torch.int8)
+    q[0, 0] = 40
+    assert not W6.takes_values(q)
+    with pytest.raises(ValueError, match=r"\[-32, 31\]"):
+        W6.pack(q, torch.ones(16, 4))
+
+
+def test_fused_descriptor_matches_apply_in_the_stack():
+    """The one-call decoder stack's kLinWLow applies the layer as ``apply`` does."""
+    d = W4.fused_descriptor(W4.pack(torch.zeros(16, 64, dtype=torch.int8), torch.ones(16, 2)))
+    assert d.kind == 7 and d.ints == (32, 4)
