@@ -118,4 +118,4 @@ def test_six_bit_method_refuses_wider_values():
 def test_fused_descriptor_matches_apply_in_the_stack():
     """The one-call decoder stack's kLinWLow applies the layer as ``apply`` does."""
     d = W4.fused_descriptor(W4.pack(torch.zeros(16, 64, dtype=torch.int8), torch.ones(16, 2)))
-    assert d.kind == 7 and d.ints == (32, 4)
+    assert d.kind == 8 and d.ints == (32, 4)
