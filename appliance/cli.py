@@ -213,10 +213,11 @@ def serve(
 
         ChatOptions.from_flags(a.enable_auto_tool_choice, a.tool_call_parser, a.reasoning_parser, a.chat_template,
                                a.default_chat_template_kwargs)  # bad chat flags: exit 2 before anything starts
-        from appliance.server.dp_client import check_backend, replica_placements
+        from appliance.server.dp_client import check_backend, replica_placements, uses_replica_set
 
         check_backend(engine_config)  # ray asked for but missing, too many replicas for the CPUs: exit 2
-        replica_placements(engine_config)
+        if uses_replica_set(engine_config):  # one engine (tensor parallel included) resolves its own ranks
+            replica_placements(engine_config)
     except ApplianceError as e:
         _fail(str(e), 2)
     try:

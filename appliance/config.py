@@ -155,6 +155,11 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"--tensor-parallel-size {self.tensor_parallel_size} with --data-parallel-size "
                 f"{self.data_parallel_size} is not supported: use one of them (the other at 1)", "data_parallel_size")
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend != "mp":
+            raise InvalidRequestError(
+                f"--distributed-executor-backend {self.distributed_executor_backend} runs data-parallel replicas "
+                f"only; tensor-parallel ranks (--tensor-parallel-size {self.tensor_parallel_size}) run as local "
+                f"processes: use --distributed-executor-backend mp", "distributed_executor_backend")
         from appliance.errors import ApplianceError
         from appliance.runtime.threads import check_rank_lists
 

@@ -30,6 +30,15 @@ def test_tp_size_must_be_positive_and_fit_the_cpus():
         EngineConfig(tensor_parallel_size=0)
 
 
+def test_tp_with_data_parallel_or_ray_is_refused_naming_the_flags():
+    with pytest.raises(InvalidRequestError, match=r"--tensor-parallel-size 2 with --data-parallel-size 2") as e:
+        EngineConfig(tensor_parallel_size=2, data_parallel_size=2)
+    assert e.value.param == "data_parallel_size"
+    with pytest.raises(InvalidRequestError, match=r"--distributed-executor-backend ray runs data-parallel") as e:
+        EngineConfig(tensor_parallel_size=2, distributed_executor_backend="ray")
+    assert e.value.param == "distributed_executor_backend"
+
+
 def test_tp_size_must_divide_the_kv_heads(tiny_model_dir):
     path = tiny_model_dir("llama", num_kv_heads=1)  # 4 query heads, 1 KV head
     with pytest.raises(ModelLoadError, match=r"tensor_parallel_size=2 does not divide the model's "

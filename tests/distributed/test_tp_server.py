@@ -66,6 +66,8 @@ def test_serve_tp2_completes_and_fails_clearly_when_a_rank_dies(llama_dir):
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
         assert time.monotonic() - t0 < 10
         assert r.status_code >= 500 and f"rank 1 (pid {workers[0].pid}) exited with code -9" in r.text, r.text
+        # the engine core died with its rank: the server stops serving and exits non-zero within seconds
+        assert proc.wait(15) != 0
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
