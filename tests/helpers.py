@@ -120,3 +120,27 @@ def check_against_transformers(llm, path, ids, max_new):
     llm.engine.check_integrity()
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.num_blocks
     return ref
+
+
+def drive_engine(engine, ids, params, stagger: int = 0, order=None, after_step=None, whole_outputs: bool = False):
+    """Drive an ``LLMEngine`` step by step: every prompt of ``ids`` (in ``order``), all at once
+    (``stagger`` 0) or one every ``stagger`` steps, with the block pool's integrity checked after
+    every step (and ``after_step(engine)`` when given). Every block must be back in the pool at the
+    end. Returns each request's token ids (its whole first output with ``whole_outputs``), by index."""
+    pending, done, step = list(order or range(len(ids))), {}, 0
+    while pending or engine.has_unfinished_requests():
+        if pending and (stagger == 0 or step % stagger == 0):
+            batch = pending if stagger == 0 else pending[:1]
+            for i in batch:
+                engine.add_request(str(i), ids[i], params)
+            pending = pending[len(batch):]
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = out.outputs[0] if whole_outputs else out.outputs[0].token_ids
+        engine.check_integrity()
+        if after_step is not None:
+            after_step(engine)
+        step += 1
+        assert step < 5000
+    assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks  # everything returned
+    return [done[i] for i in range(len(ids))]

@@ -14,6 +14,7 @@ from appliance.config import EngineConfig
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.request import Request
 from appliance.engine.scheduler import SchedulerOutput
+from helpers import drive_engine
 
 SHARED = "Paris is the capital of France. The quick brown fox jumps over the lazy dog. " * 2
 # chunked prefill (16-token budget), a cache far too small for every request at once (preemption),
@@ -32,21 +33,7 @@ def prompts(tok):
 def run(engine: LLMEngine, ids, stagger: int):
     """Every prompt through the engine (all at once, or one every ``stagger`` steps), checking the
     block pool after every step. Returns each request's tokens."""
-    pending, done, step = list(range(len(ids))), {}, 0
-    while pending or engine.has_unfinished_requests():
-        if pending and (stagger == 0 or step % stagger == 0):
-            batch = pending if stagger == 0 else pending[:1]
-            for i in batch:
-                engine.add_request(str(i), ids[i], PARAMS)
-            pending = pending[len(batch):]
-        for out in engine.step():
-            if out.finished:
-                done[int(out.request_id)] = out.outputs[0].token_ids
-        engine.check_integrity()
-        step += 1
-        assert step < 2000
-    assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
-    return [done[i] for i in range(len(ids))]
+    return drive_engine(engine, ids, PARAMS, stagger)
 
 
 def last_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:

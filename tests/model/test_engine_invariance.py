@@ -9,6 +9,7 @@ import pytest
 from appliance import LLM, SamplingParams
 from appliance.engine.llm_engine import LLMEngine
 from appliance.config import EngineConfig
+from helpers import drive_engine
 
 SHARED = "Paris is the capital of France. The quick brown fox jumps over the lazy dog. " * 2
 
@@ -24,24 +25,7 @@ def prompts(tok):
 
 def run_engine(engine: LLMEngine, ids, params, order=None, stagger=0):
     """Drive the engine step by step (optionally adding requests over time) checking integrity."""
-    order = order or list(range(len(ids)))
-    pending = list(order)
-    done = {}
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        if pending and (stagger == 0 or step % stagger == 0):
-            batch = pending if stagger == 0 else pending[:1]
-            for i in batch:
-                engine.add_request(str(i), ids[i], params)
-            pending = [i for i in pending if i not in batch]
-        for out in engine.step():
-            if out.finished:
-                done[int(out.request_id)] = out.outputs[0].token_ids
-        engine.check_integrity()
-        step += 1
-        assert step < 5000
-    assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks  # everything returned
-    return [done[i] for i in range(len(ids))]
+    return drive_engine(engine, ids, params, stagger, order)
 
 
 @pytest.fixture(scope="module")

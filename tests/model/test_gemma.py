@@ -14,7 +14,7 @@ from appliance import LLM, SamplingParams
 from appliance.config import EngineConfig
 from appliance.engine.llm_engine import LLMEngine
 from appliance.errors import ModelLoadError
-from helpers import check_against_transformers, hf_greedy
+from helpers import check_against_transformers, drive_engine, hf_greedy
 
 WINDOW = 8  # most prompts (and every prompt with its 24 new tokens) run past the local layers' window
 SHARED = "Paris is the capital of France. The quick brown fox jumps over the lazy dog. "
@@ -95,22 +95,7 @@ def test_native_linear_and_ops_run_op_by_op(tiny_model_dir, monkeypatch):
 
 
 def _run(engine, ids, params, stagger):
-    """Requests added one every ``stagger`` steps (all at once for 0), integrity checked every step."""
-    pending, done, step = list(range(len(ids))), {}, 0
-    while pending or engine.has_unfinished_requests():
-        if pending and (stagger == 0 or step % stagger == 0):
-            batch = pending if stagger == 0 else pending[:1]
-            for i in batch:
-                engine.add_request(str(i), ids[i], params)
-            pending = pending[len(batch):]
-        for out in engine.step():
-            if out.finished:
-                done[int(out.request_id)] = out.outputs[0].token_ids
-        engine.check_integrity()
-        step += 1
-        assert step < 5000
-    assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
-    return [done[i] for i in range(len(ids))]
+    return drive_engine(engine, ids, params, stagger)
 
 
 SCHEDULES = {

@@ -15,6 +15,7 @@ from appliance.sampling_params import StructuredOutputsParams
 from appliance.config import EngineConfig
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.block_pool import NULL_BLOCK
+from helpers import drive_engine
 
 REPEAT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France. " * 3
 
@@ -39,23 +40,7 @@ def check_cached_blocks(engine: LLMEngine) -> None:
 
 
 def run_engine(engine: LLMEngine, ids, params, stagger=0):
-    pending = list(range(len(ids)))
-    done, step = {}, 0
-    while pending or engine.has_unfinished_requests():
-        if pending and (stagger == 0 or step % stagger == 0):
-            batch = pending if stagger == 0 else pending[:1]
-            for i in batch:
-                engine.add_request(str(i), ids[i], params)
-            pending = [i for i in pending if i not in batch]
-        for out in engine.step():
-            if out.finished:
-                done[int(out.request_id)] = out.outputs[0]
-        engine.check_integrity()
-        check_cached_blocks(engine)
-        step += 1
-        assert step < 5000
-    assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks  # everything returned
-    return [done[i] for i in range(len(ids))]
+    return drive_engine(engine, ids, params, stagger, after_step=check_cached_blocks, whole_outputs=True)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
