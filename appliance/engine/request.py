@@ -36,7 +36,7 @@ class Request:
         "max_tokens", "all_token_ids", "num_computed_tokens", "block_ids", "block_hashes", "status",
         "stop_reason", "num_cached_tokens", "num_preemptions", "arrival_time", "first_token_time",
         "logprobs", "cumulative_logprob", "prompt_logprobs", "scheduled_time", "pooling_params",
-        "use_prefix_cache", "spec_token_ids", "spec_num_computed", "spec_acceptance", "spec_paused_steps",
+        "use_prefix_cache", "spec_token_ids", "spec_num_computed", "spec_acceptance", "spec_paused_steps", "spec_pause_len",
         "spec_allowed",
     )
 
@@ -87,6 +87,7 @@ class Request:
         self.spec_num_computed = 0
         self.spec_acceptance = 1.0
         self.spec_paused_steps = 0
+        self.spec_pause_len = 0  # the last pause's length (doubles while acceptance stays low)
         self.spec_allowed = True  # False: this request never speculates (e.g. structured output)
 
     @property

@@ -31,3 +31,30 @@ def test_spec_counters_in_metrics(llama_dir):
         assert line in text.splitlines(), line
     # without speculation: no spec_decode series at all
     assert "spec_decode" not in ServerMetrics("m").render({"num_running": 0})
+
+
+def test_pause_doubles_while_acceptance_stays_low_and_resets_after_a_good_step():
+    from types import SimpleNamespace
+
+    from appliance.engine.spec_decode import MAX_PAUSE_STEPS, PAUSE_STEPS, SpecDecoder
+
+    dec = SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0, num_accepted_per_pos=[0] * 3,
+                          config=SimpleNamespace(min_acceptance_rate=0.2))
+    req = SimpleNamespace(spec_acceptance=1.0, spec_pause_len=0, spec_paused_steps=0, spec_num_computed=0,
+                          num_computed_tokens=0)
+
+    def bad_until_paused():
+        req.spec_paused_steps = 0  # the previous pause has run out
+        while True:
+            SpecDecoder.record(dec, req, 3, 0)
+            if req.spec_paused_steps:
+                return req.spec_paused_steps
+
+    assert [bad_until_paused() for _ in range(6)] == [PAUSE_STEPS, 2 * PAUSE_STEPS, 4 * PAUSE_STEPS,
+                                                      8 * PAUSE_STEPS, MAX_PAUSE_STEPS, MAX_PAUSE_STEPS]
+    req.spec_paused_steps = 0
+    req.spec_acceptance = 0.5  # resumed
+    SpecDecoder.record(dec, req, 3, 2)  # a good step (2 of 3 accepted)
+    assert req.spec_pause_len == 0
+    assert bad_until_paused() == PAUSE_STEPS
+    assert dec.num_accepted_tokens == 2 and dec.num_accepted_per_pos == [1, 1, 0]

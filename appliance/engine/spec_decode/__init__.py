@@ -29,9 +29,12 @@ log = logging.getLogger("appliance")
 
 # Running acceptance rate: an exponential moving average over a request's speculative steps. Below
 # min_acceptance_rate, the request decodes without drafts for PAUSE_STEPS steps, then tries again
-# from RESUME_RATE (a couple of bad steps pause it again).
+# from RESUME_RATE (a couple of bad steps pause it again). Each pause that follows another without a
+# good step between (at least half the drafts accepted) is twice as long, up to MAX_PAUSE_STEPS: on
+# open-ended text, retrying every 16 steps cost ~6% of decode speed at 0.07 acceptance.
 EMA_WEIGHT = 0.3
 PAUSE_STEPS = 16
+MAX_PAUSE_STEPS = 256
 RESUME_RATE = 0.5
 
 
@@ -185,8 +188,11 @@ class SpecDecoder:
             self.num_accepted_per_pos[j] += 1
         req.spec_acceptance = (1 - EMA_WEIGHT) * req.spec_acceptance + EMA_WEIGHT * num_accepted / num_drafts
         if req.spec_acceptance < self.config.min_acceptance_rate:
-            req.spec_paused_steps = PAUSE_STEPS
+            req.spec_pause_len = min(MAX_PAUSE_STEPS, 2 * req.spec_pause_len) if req.spec_pause_len else PAUSE_STEPS
+            req.spec_paused_steps = req.spec_pause_len
             req.spec_acceptance = RESUME_RATE
+        elif 2 * num_accepted >= num_drafts:
+            req.spec_pause_len = 0  # a good step: the next pause starts short again
         # the draft model's cache holds valid KV only up to the verified tokens
         req.spec_num_computed = min(req.spec_num_computed, req.num_computed_tokens)
 
