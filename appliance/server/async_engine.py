@@ -225,12 +225,17 @@ class AsyncEngineClient:
                 msg = self._out_r.recv()
             except (EOFError, OSError):
                 msg = EngineDead("the engine process exited")
-            try:
-                self._loop.call_soon_threadsafe(self._dispatch, msg)
-            except RuntimeError:  # loop closed: the server is gone
+            if not self._deliver(msg):
                 return
-            if isinstance(msg, EngineDead):
-                return
+
+    def _deliver(self, msg) -> bool:
+        """Hand one core message to the event loop (from a reader thread). False when the reader
+        should stop: the loop is closed (the server is gone) or the core is dead."""
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, msg)
+        except RuntimeError:
+            return False
+        return not isinstance(msg, EngineDead)
 
     # -- in the event loop ------------------------------------------------------------------------
     def _dispatch(self, msg) -> None:

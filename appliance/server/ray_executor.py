@@ -258,11 +258,7 @@ class RayEngineClient(AsyncEngineClient):
                     return
                 msgs = [EngineDead("the engine core stopped")]
             for msg in msgs:
-                try:
-                    self._loop.call_soon_threadsafe(self._dispatch, msg)
-                except RuntimeError:  # loop closed: the server is gone
-                    return
-                if isinstance(msg, EngineDead):
+                if not self._deliver(msg):
                     return
 
     def shutdown(self, timeout: float = 5.0) -> None:
