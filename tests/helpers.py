@@ -10,8 +10,8 @@ from appliance.engine.scheduler import SchedulerOutput
 
 def engine_logits(llm, ids: list[int]) -> torch.Tensor:
     """Last-token float32 logits of one prompt through the engine's model runner (whole-prompt
-    prefill through the paged KV cache), without sampling."""
-    eng = llm.engine
+    prefill through the paged KV cache), without sampling. ``llm``: an ``LLM`` or an ``LLMEngine``."""
+    eng = getattr(llm, "engine", llm)
     req = Request("logits-probe", ids, SamplingParams(max_tokens=1), (), 1)
     assert eng.kv.allocate_slots(req, len(ids))
     try:

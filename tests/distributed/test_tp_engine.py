@@ -12,9 +12,7 @@ import torch
 from appliance import SamplingParams
 from appliance.config import EngineConfig
 from appliance.engine.llm_engine import LLMEngine
-from appliance.engine.request import Request
-from appliance.engine.scheduler import SchedulerOutput
-from helpers import drive_engine
+from helpers import drive_engine, engine_logits
 
 SHARED = "Paris is the capital of France. The quick brown fox jumps over the lazy dog. " * 2
 # chunked prefill (16-token budget), a cache far too small for every request at once (preemption),
@@ -35,15 +33,6 @@ def run(engine: LLMEngine, ids, stagger: int):
     block pool after every step. Returns each request's tokens."""
     return drive_engine(engine, ids, PARAMS, stagger)
 
-
-def last_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
-    req = Request("logits-probe", ids, SamplingParams(max_tokens=1), (), 1)
-    assert engine.kv.allocate_slots(req, len(ids))
-    try:
-        logits, _ = engine.runner.execute(SchedulerOutput([(req, len(ids))], len(ids)))
-    finally:
-        engine.kv.free(req)
-    return logits[0]
 
 
 MODELS = {"llama": dict(arch="llama"), "qwen2_tied": dict(arch="qwen2", tie=True)}
@@ -89,9 +78,9 @@ def test_tp2_logits_equal_transformers_and_tp1(engines):
     for p in prompts(tp1.tokenizer)[:3]:
         with torch.no_grad():
             want = hf(torch.tensor([p])).logits[0, -1].float()
-        got = last_logits(tp2, p)
+        got = engine_logits(tp2, p)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-        torch.testing.assert_close(got, last_logits(tp1, p), atol=1e-4, rtol=0)
+        torch.testing.assert_close(got, engine_logits(tp1, p), atol=1e-4, rtol=0)
 
 
 def test_tp2_prompt_logprobs_equal_tp1(engines):
