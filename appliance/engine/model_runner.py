@@ -48,7 +48,7 @@ class ModelRunner:
         self.model = load_model(info, dtype, device, config.quantization, config.quant_group_size,
                                 config.linear_backend)
         self.ops = get_ops(config.attention_backend, device.type)
-        self.model.prepare(self.ops, max_model_len, device)
+        self.model.prepare(max_model_len, device)
         self.linear_backends = select_backends(self.model, config.linear_backend, dtype, device)
         release_free_memory()  # the checkpoint forms that packing freed
         # layer group (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head) -> backends it uses
