@@ -183,6 +183,9 @@ def worker_main(rank: int, conn, world_size: int, port: int, config, info, dtype
                 return  # rank 0 is gone
             if msg[0] == "stop":
                 return
+            if msg[0] == "stats":
+                conn.send(("stats", rank_stats(runner)))
+                continue
             kind, reqs, num_batched, plp = msg
             sched = decode_schedule(reqs, num_batched)
             if kind == "execute":
@@ -200,6 +203,11 @@ def worker_main(rank: int, conn, world_size: int, port: int, config, info, dtype
         raise SystemExit(1)
     finally:
         comm.close()
+
+
+def rank_stats(runner) -> dict:
+    """What a rank reports about its own steps (``TPExecutor.rank_stats``): which forward path ran."""
+    return {"fused_calls": getattr(runner.model, "fused_calls", 0)}
 
 
 # ------------------------------------------------------------------ rank 0
@@ -368,6 +376,12 @@ class TPExecutor:
 
     def execute_pooling(self, sched):
         return self._step(encode_schedule(sched, None, "forward"), lambda: self.runner.execute_pooling(sched))
+
+    def rank_stats(self) -> list[dict]:
+        """Every rank's ``rank_stats``, in rank order (the workers answer after their pending steps)."""
+        for c in self.conns:
+            c.send_bytes(pickle.dumps(("stats",)))
+        return [rank_stats(self.runner)] + self._await("stats", COLLECTIVE_TIMEOUT_S)
 
     def close(self) -> None:
         """Stop the workers (politely, then by force) and give this process its CPUs back."""
