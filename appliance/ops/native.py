@@ -43,7 +43,9 @@ PAGED_PREFILL = True
 # Models whose every op runs here and whose linear layers are float (native, oneDNN or torch backend)
 # may run all their decoder layers in one call (``llama_layers``: the same kernels in the same order,
 # without the Python between them). False keeps the per-op path (tests compare the two).
-FUSED_LAYERS = True
+# APPLIANCE_FUSED_LAYERS=0 sets it False in every process that imports this module, tensor-parallel
+# workers included (they inherit the environment): how benchmarks and tests compare the paths under TP.
+FUSED_LAYERS = os.environ.get("APPLIANCE_FUSED_LAYERS", "1") != "0"
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 # KV cache storage the kernels read and write: the float dtypes, and one byte per element with
 # per-row float32 scales (reference.quantize_kv)

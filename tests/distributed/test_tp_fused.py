@@ -77,10 +77,11 @@ def test_fused_tp2_logits_equal_tp1_and_transformers(engines):
         torch.testing.assert_close(got, engine_logits(tp1, p), atol=1e-4, rtol=0)
 
 
-def test_w8a8_fused_under_tp(engines, llama_dir):
+def test_w8a8_fused_under_tp(engines, llama_dir, monkeypatch):
     """W8A8 (per-token A8 over each rank's slice of the row-parallel inputs: not TP=1 to 1e-4, see
-    test_tp_quantized): through the fused stack on both ranks, as close to the float model as TP=1
-    is (within 1.5x) and within 5% of TP=1 (a missed or doubled all-reduce is 100%)."""
+    test_tp_quantized): through the fused stack on both ranks, the per-op path's TP=2 logits within
+    1e-4 (APPLIANCE_FUSED_LAYERS=0 turns the stack off in the workers too), as close to the float
+    model as TP=1 is (within 1.5x) and within 5% of TP=1 (a missed or doubled all-reduce is 100%)."""
     from appliance import LLM
     from appliance.layers.quant import QuantLinear
 
@@ -106,6 +107,15 @@ def test_w8a8_fused_under_tp(engines, llama_dir):
         assert [a - b for a, b in zip(_fused_calls(two.engine), before)] == [1, 1]
     finally:
         two.engine.runner.close()
+    monkeypatch.setenv("APPLIANCE_FUSED_LAYERS", "0")
+    monkeypatch.setattr(native, "FUSED_LAYERS", False)
+    per_op = LLM(str(llama_dir), quantization="w8a8", tensor_parallel_size=2, **kw)
+    try:
+        per_op_logits = engine_logits(per_op, ids)
+        assert _fused_calls(per_op.engine) == [0, 0]
+    finally:
+        per_op.engine.runner.close()
+    torch.testing.assert_close(got, per_op_logits, atol=1e-4, rtol=0)
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     q1, q2, tp = rel(want, flt), rel(got, flt), rel(got, want)
     assert q1 > 1e-3  # quantized for real
