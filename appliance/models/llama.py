@@ -210,6 +210,7 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings and cfg.has_lm_head:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, tp="vocab")
         self.rotary: Rotary | None = None
+        self.fused_calls = 0  # forwards run by the one-call native stack (_fused_layers)
 
     def prepare(self, max_position: int, device: torch.device) -> None:
         """After weights are loaded: build the rotary cache (and tie the logits projection)."""
@@ -241,9 +242,10 @@ class LlamaForCausalLM(nn.Module):
         ops = ctx.ops
         if not getattr(ops, "FUSED_LAYERS", False) or not hasattr(ops, "llama_layers"):
             return None
-        if self.tp_group.is_parallel:
-            # the one-call native stack cannot all-reduce between its row-parallel projections and
-            # the next layer (yet): tensor-parallel ranks run the per-op path
+        # tensor parallel: the stack sums the row-parallel o_proj and down_proj outputs itself, through
+        # the communicator's native entry (shared memory); one without (gloo) leaves the per-op path
+        all_reduce = self.tp_group.communicator.native_all_reduce() if self.tp_group.is_parallel else (0, 0)
+        if all_reduce is None:
             return None
         # a new KV cache or a layer packed anew (set_backend) rebuilds the plan
         key = (id(ctx.kv_caches),) + tuple(id(d.weight) if (d := m.fused_descriptor()) else None
@@ -256,12 +258,18 @@ class LlamaForCausalLM(nn.Module):
             return None
         flat, kinds = plan[1]
         cfg, md = self.config, ctx.attn
-        scale = self.model.layers[0].self_attn.attn.scale
+        at = self.model.layers[0].self_attn  # this rank's heads and MLP width (all of them on one rank)
+        scale = at.attn.scale
+        intermediate = self.model.layers[0].mlp.down_proj.in_features
         windows = [layer.self_attn.attn.sliding_window for layer in self.model.layers]
-        return lambda x, positions: ops.llama_layers(
-            x, positions, flat, kinds, windows, self.model.norm.weight, cfg.rms_norm_eps, cfg.num_attention_heads,
-            cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, scale, self.rotary.cos_sin_cache,
-            md.slot_mapping, md.block_table, md.seq_lens, md.query_start_loc)
+
+        def run(x, positions):
+            self.fused_calls += 1  # which path ran, for tests and benchmarks (equal outputs cannot tell)
+            return ops.llama_layers(
+                x, positions, flat, kinds, windows, self.model.norm.weight, cfg.rms_norm_eps, at.num_heads,
+                at.num_kv_heads, cfg.head_dim, intermediate, scale, self.rotary.cos_sin_cache,
+                md.slot_mapping, md.block_table, md.seq_lens, md.query_start_loc, all_reduce)
+        return run
 
     def _linears(self, i: int):
         layer = self.model.layers[i]
