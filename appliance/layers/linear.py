@@ -289,6 +289,10 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
         if requested in cands:
             choices[key] = requested
             continue
+        preferred = getattr(m, "preferred_backend", lambda: None)()  # e.g. a K-quant layer's own scales kept
+        if preferred in cands:
+            choices[key] = preferred
+            continue
         if len(cands) == 1:
             choices[key] = cands[0]
             continue

@@ -204,7 +204,42 @@ class QuantLinear(LinearBase):
     def shape_key(self) -> str:
         # "|6b": a W8 layer whose values fit 6 bits (w6a8_native is a candidate for it, not for the others)
         six = "|6b" if self.scheme == "w8a8" and self._fits_6_bits() else ""
-        return f"{self.scheme}g{self.group_size}|{self.out_features}x{self.in_features}{six}"
+        kq = "|kq" if self._kquant_methods() else ""
+        return f"{self.scheme}g{self.group_size}|{self.out_features}x{self.in_features}{six}{kq}"
+
+    def kquant_tables(self) -> dict | None:
+        """The layer's K-quant scales (``gguf_quants.KQuantScales`` of every shard, or of the tied
+        embedding's table) as whole-layer tables at the layer's group: ``sub``/``submin`` int8 [N, K/G],
+        ``sup``/``supmin`` float32 [N, K/S] (``submin``/``supmin`` None where no shard has mins; zeros for
+        the rows of one that has none), ``shift`` int16 [N], ``group``, ``super``. None unless every row
+        has them at one super-block size: the layer is then packed from its canonical form only."""
+        if "_kq_tables" in self.__dict__:
+            return self.__dict__["_kq_tables"]
+        store = self.__dict__.get("_kquant")
+        tied = self.__dict__.get("tied_embedding")
+        if store is None and tied is not None:
+            store = tied.__dict__.get("_kquant")
+        self.__dict__["_kq_tables"] = t = _kquant_tables(store, self.shards, self.out_features, self.in_features,
+                                                          self.group_size) if store else None
+        return t
+
+    def preferred_backend(self) -> str | None:
+        """A method chosen without measuring unless another is asked for: one that keeps the layer's
+        K-quant scales (its weights at rest at about the file's size, and the fewest bytes a decode
+        step reads), or None."""
+        kq = self._kquant_methods()
+        return kq[0] if kq else None
+
+    def _kquant_methods(self) -> list[str]:
+        """The valid methods that would hold this layer's K-quant scales (none without them)."""
+        if "_kq_methods" not in self.__dict__:
+            t = self.kquant_tables()
+            self.__dict__["_kq_methods"] = [] if t is None else [
+                m.name for m in methods.of_scheme(self.scheme)
+                if hasattr(m, "takes_kquant") and m.host_problem() is None
+                and backend_valid(m.name, self.scheme, self.out_features, self.in_features, self.group_size)
+                and m.takes_kquant(self.qweight.data, t)]
+        return self.__dict__["_kq_methods"]
 
     def _fits_6_bits(self) -> bool:
         if "_fits6" not in self.__dict__:  # decided once, on the loaded weights (released after packing)
@@ -241,8 +276,13 @@ class QuantLinear(LinearBase):
         if name not in names:
             raise ValueError(f"linear backend {name!r} cannot run {self.scheme} layers; use one of {', '.join(names)}")
         # pack and run by name (thin over the method): the seam a test stands in at for a kernel
-        self.packed = pack(name, self.qweight.data, self.weight_scale.data, self._zp())
+        if name in self._kquant_methods():
+            self.packed = methods.get(name).pack_kquant(self.qweight.data, self.kquant_tables())
+        else:
+            self.packed = pack(name, self.qweight.data, self.weight_scale.data, self._zp())
         self.method = methods.get(name)
+        for key in ("_kquant", "_kq_tables"):  # packed (or not taken): no longer read
+            self.__dict__.pop(key, None)
         tied = self.__dict__.get("tied_embedding")  # a QuantEmbedding sharing the canonical tensors
         if tied is not None and not self.method.gives_rows:
             return  # the embedding still reads its rows from them (appliance.layers.vocab)
@@ -252,6 +292,7 @@ class QuantLinear(LinearBase):
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         if tied is not None:  # the embedding reads its rows from the packed form now
             tied.__dict__["_rows_from"] = self
+            tied.__dict__.pop("_kquant", None)
 
     def weight_bytes(self) -> int:
         b = self.bias.numel() * self.bias.element_size() if self.bias is not None else 0
@@ -290,6 +331,34 @@ class QuantLinear(LinearBase):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, scheme={self.scheme}, "
                 f"group={self.group_size}, bias={self.bias is not None}, backend={self.backend}")
+
+
+def _kquant_tables(store: dict, shards: dict, n: int, k: int, g: int) -> dict | None:
+    # shard id -> (first row, rows); a layer the file stores whole (or unfused) is one shard, None
+    parts = [(None, 0, n)] if None in store or not shards else [(sid, o, r) for sid, (o, r) in shards.items()]
+    if any(sid not in store for sid, _, _ in parts):
+        return None
+    kqs = [store[sid] for sid, _, _ in parts]
+    sb = kqs[0].super_block
+    if any(kq.super_block != sb or kq.group % g for kq in kqs) or k % sb or sb % g:
+        return None
+    has_min = any(kq.submin is not None for kq in kqs)
+    sub = torch.zeros(n, k // g, dtype=torch.int8)
+    submin = torch.zeros(n, k // g, dtype=torch.int8) if has_min else None
+    sup = torch.zeros(n, k // sb, dtype=torch.float32)
+    supmin = torch.zeros(n, k // sb, dtype=torch.float32) if has_min else None
+    shift = torch.zeros(n, dtype=torch.int16)
+    for (_, o, r), kq in zip(parts, kqs):
+        if tuple(kq.sub.shape) != (r, k // kq.group) or tuple(kq.sup.shape) != (r, k // sb):
+            return None
+        rep = kq.group // g  # a scale per 32 is the same scale twice per 16 (a widened fused layer)
+        sub[o:o + r] = kq.sub.repeat_interleave(rep, dim=1)
+        sup[o:o + r] = kq.sup
+        if kq.submin is not None:
+            submin[o:o + r] = kq.submin.repeat_interleave(rep, dim=1)
+            supmin[o:o + r] = kq.supmin
+        shift[o:o + r] = kq.shift
+    return {"group": g, "super": sb, "sub": sub, "submin": submin, "sup": sup, "supmin": supmin, "shift": shift}
 
 
 def quantize_model(model: nn.Module, scheme: str, group_size: int | None, skip=("lm_head",)) -> nn.Module:

@@ -34,6 +34,9 @@ class QuantizedWeight:
     zero_point: torch.Tensor | None
     group_size: int
     scheme: str
+    # a GGUF K-quant's own scales (``appliance.models.gguf_quants.KQuantScales``), or None: what the
+    # low-bit methods hold instead of fp32 scales per group (the layer keeps them until it packs)
+    kquant: object | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -122,7 +125,7 @@ def load_quant_linear(module, param: torch.Tensor, loaded, shard_id: str | None)
         r = loaded.group_size // module.group_size
         loaded = QuantizedWeight(loaded.qweight, loaded.scale.repeat_interleave(r, dim=1),
                                  None if loaded.zero_point is None else loaded.zero_point.repeat_interleave(r, dim=1),
-                                 module.group_size, module.scheme)
+                                 module.group_size, module.scheme, loaded.kquant)
     if loaded.scheme != module.scheme or loaded.group_size != module.group_size:
         raise WeightLoadError(f"is {loaded.scheme} at group size {loaded.group_size}, expected {module.scheme} at "
                               f"group size {module.group_size} (the layer's other shards)")
@@ -140,3 +143,5 @@ def load_quant_linear(module, param: torch.Tensor, loaded, shard_id: str | None)
             raise WeightLoadError(f"has zero points, which {module.scheme} layers do not take")
         copy_checked(shard_rows(module, module.weight_zero_point, shard_id), loaded.zero_point.float(),
                      " (zero points)")
+    if loaded.kquant is not None:  # by shard, until the layer packs (QuantLinear.kquant_tables)
+        module.__dict__.setdefault("_kquant", {})[shard_id] = loaded.kquant

@@ -29,6 +29,8 @@ conversion never leaves a half-written model directory behind.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import json
 import logging
@@ -732,7 +734,12 @@ class GGUFSource:
                 q, scale, zp = (None if p is None else p if n_heads is None else
                                 torch.from_numpy(np.ascontiguousarray(_unpermute_rows(p.numpy(), n_heads)))
                                 for p in (w.qweight, w.scale, w.zero_point))
-                yield self.path, hf, QuantizedWeight(q, scale, zp, w.group, w.scheme)
+                kq = w.kquant
+                if kq is not None and n_heads is not None:  # its row tables follow the rows
+                    kq = dataclasses.replace(kq, **{f: None if getattr(kq, f) is None else torch.from_numpy(
+                        np.ascontiguousarray(_unpermute_rows(getattr(kq, f).numpy(), n_heads)))
+                        for f in ("sub", "submin", "sup", "supmin")})
+                yield self.path, hf, QuantizedWeight(q, scale, zp, w.group, w.scheme, kq)
             elif self.float_from is None:
                 w = self._float(t, shape, n_heads)
                 with warnings.catch_warnings():  # an F32 tensor is the read-only memmap itself: only read

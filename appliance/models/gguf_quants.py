@@ -60,6 +60,25 @@ class QuantWeight:
     qweight: torch.Tensor
     scale: torch.Tensor
     zero_point: torch.Tensor | None
+    kquant: "KQuantScales | None" = None  # a K-quant's own scales, besides the canonical form
+
+
+@dataclass(frozen=True)
+class KQuantScales:
+    """A K-quant weight's own scales, kept beside the canonical form so that a method can hold them at
+    their size in the file (``appliance.layers.methods.lowbit.pack_kquant``) rather than fp32 per
+    group: ``w = sup[b] sub[g] (q + shift) - supmin[b] submin[g]`` for the canonical ``q`` of group
+    ``g`` (``group`` inputs) in super-block ``b`` (``super_block`` inputs). ``sub``/``submin`` int8
+    ``[N, K // group]`` (``submin`` None: no mins), ``sup``/``supmin`` float32 ``[N, K // super_block]``
+    (fp16 values, exact). The products are exact in fp32 (see the module docstring)."""
+
+    group: int
+    super_block: int
+    shift: int
+    sub: torch.Tensor
+    submin: torch.Tensor | None
+    sup: torch.Tensor
+    supmin: torch.Tensor | None
 
 
 class BlockType:
@@ -73,6 +92,14 @@ class BlockType:
     has_zero_point: bool
     block_size: int
     type_size: int
+
+    # K-quants: q + kshift is the file's integer (``KQuantScales``); kscales gives the scales
+    kshift: int | None = None
+
+    def kscales(self, blocks: np.ndarray):
+        """uint8 ``[B, type_size]`` -> (int8 sub ``[B, block_size // group]``, int8 submin of that shape
+        or None, float64 sup ``[B]``, float64 supmin ``[B]`` or None); K-quants only."""
+        raise NotImplementedError
 
     def decode(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """uint8 ``[B, type_size]`` -> (int8 q ``[B, block_size]``, float32 scale
@@ -122,11 +149,19 @@ def canonical(type_name: str, raw: np.ndarray, n: int, k: int, where: str = "") 
     if raw.dtype != np.uint8 or raw.size != want:
         raise ModelLoadError(f"{at}{type_name} weight [{n}, {k}]: expected {want} bytes ({n * k // bt.block_size} "
                              f"blocks of {bt.type_size}), got {raw.size} {raw.dtype} values of shape {raw.shape}")
-    q, scale, zp = bt.decode(np.ascontiguousarray(raw).reshape(-1, bt.type_size))
+    blocks = np.ascontiguousarray(raw).reshape(-1, bt.type_size)
+    q, scale, zp = bt.decode(blocks)
+    kq = None
+    if bt.kshift is not None:
+        sub, submin, sup, supmin = bt.kscales(blocks)
+        g, s = k // bt.group, k // bt.block_size
+        t = lambda a, c, dt: None if a is None else torch.from_numpy(np.ascontiguousarray(a.reshape(n, c), dtype=dt))  # noqa: E731
+        kq = KQuantScales(bt.group, bt.block_size, bt.kshift, t(sub, g, np.int8), t(submin, g, np.int8),
+                          t(sup, s, np.float32), t(supmin, s, np.float32))
     return QuantWeight(bt.scheme, bt.group, torch.from_numpy(np.ascontiguousarray(q.reshape(n, k))),
                        torch.from_numpy(np.ascontiguousarray(scale.reshape(n, k // bt.group), dtype=np.float32)),
                        None if zp is None else
-                       torch.from_numpy(np.ascontiguousarray(zp.reshape(n, k // bt.group), dtype=np.float32)))
+                       torch.from_numpy(np.ascontiguousarray(zp.reshape(n, k // bt.group), dtype=np.float32)), kq)
 
 
 # ---------------------------------------------------------------- bit unpacking
@@ -238,12 +273,22 @@ def _k_affine(blocks: np.ndarray, u: np.ndarray, centre: int):
     return _affine(u, _f16(blocks, 0)[:, None] * sc, -_f16(blocks, 2)[:, None] * mn, centre)
 
 
+def _k_kscales(blocks: np.ndarray):
+    # Q4_K/Q5_K: sc, mn in 0..63 (int8 holds them), fp16 d and dmin
+    sc, mn = _k_scales(blocks[:, 4:16])
+    return sc.astype(np.int8), mn.astype(np.int8), _f16(blocks, 0), _f16(blocks, 2)
+
+
 @_keep
 class Q4_K(BlockType):
     """fp16 d, fp16 dmin, 12 bytes of 6-bit sub-scales and mins, 128 bytes: bytes 32i..32i+31 hold
     sub-block 2i in their low nibbles and sub-block 2i + 1 in their high ones."""
 
     name, scheme, group, has_zero_point = "Q4_K", "w4a8", 32, True
+    kshift = 8  # q = u - 8
+
+    def kscales(self, blocks):
+        return _k_kscales(blocks)
 
     def decode(self, blocks):
         u = _planes(blocks[:, 16:144].reshape(-1, 4, 32), 4).reshape(-1, 8, 32)
@@ -256,6 +301,10 @@ class Q5_K(BlockType):
     Q4_K's 128 bytes of low nibbles."""
 
     name, scheme, group, has_zero_point = "Q5_K", "w8a8", 32, True
+    kshift = 16  # q = u - 16
+
+    def kscales(self, blocks):
+        return _k_kscales(blocks)
 
     def decode(self, blocks):
         low = _planes(blocks[:, 48:176].reshape(-1, 4, 32), 4).reshape(-1, 8, 32)
@@ -271,6 +320,10 @@ class Q6_K(BlockType):
     fp16 d. w = d sc (u - 32)."""
 
     name, scheme, group, has_zero_point = "Q6_K", "w8a8", 16, False
+    kshift = 0  # q = u - 32, which is what d sc multiplies
+
+    def kscales(self, blocks):
+        return np.ascontiguousarray(blocks[:, 192:208]).view(np.int8), None, _f16(blocks, 208), None
 
     def decode(self, blocks):
         low = _planes(blocks[:, 0:128].reshape(-1, 2, 64), 4).reshape(-1, 256)

@@ -466,6 +466,14 @@ def gemm_wlow_a8(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: tor
     return _require().gemm_wlow_a8(x, lo, hi, scale, offset, n, group, bits)
 
 
+def gemm_wlow_kq_a8(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, kf: torch.Tensor, k8: torch.Tensor,
+                    n: int, group: int, bits: int, super_block: int, centre: int) -> torch.Tensor:
+    """``gemm_wlow_a8`` with a GGUF K-quant's own scales (``WLowArgs``' ksuper > 0): ``kf`` float32 (row
+    sums, super-block scales and mins), ``k8`` int8 (sub-block scales and mins), as
+    ``appliance.layers.methods.lowbit.pack_kquant`` packs them."""
+    return _require().gemm_wlow_kq_a8(x, lo, hi, kf, k8, n, group, bits, super_block, centre)
+
+
 SGEMM_PANEL = 32  # output columns per prepacked panel (kSgemmPanel in appliance_kernels.h)
 
 

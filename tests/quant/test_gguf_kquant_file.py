@@ -211,6 +211,7 @@ def test_native_lowbit_methods_give_the_tokens_of_their_fp64_reference(files, tm
     op by op, equal those of the same model whose layers compute each method's fp64 reference (the
     same quantized activations and weights; only the kernels' fp32 sums differ)."""
     from appliance.layers import quant
+    from appliance.layers.methods.lowbit import group_offsets
     from appliance.layers.methods.qmath import quant_act_asym
     from appliance.ops import native
 
@@ -239,11 +240,10 @@ def test_native_lowbit_methods_give_the_tokens_of_their_fp64_reference(files, tm
             return real_run(backend, p, x, n, k)
         w = m.dequantize_rows(p, torch.arange(n)).double()  # offset folded in: the reference splits it off
         xq = quant_act_asym(x.float()).double()
-        sym = w if p["offset"] is None else w - p["offset"].permute(0, 2, 1).reshape(-1, k // p["group"])[:n].double(
-        ).repeat_interleave(p["group"], dim=1)
-        off = 0.0 if p["offset"] is None else (
-            x.float().double().reshape(x.shape[0], -1, p["group"]).sum(-1)
-            @ p["offset"].permute(0, 2, 1).reshape(-1, k // p["group"])[:n].double().t())
+        offsets = group_offsets(p)  # fp32 group scales and offsets, or a K-quant's own scales
+        sym = w if offsets is None else w - offsets.repeat_interleave(p["group"], dim=1)
+        off = 0.0 if offsets is None else (
+            x.float().double().reshape(x.shape[0], -1, p["group"]).sum(-1) @ offsets.t())
         return (xq @ sym.t() + off).float()
 
     monkeypatch.setattr(quant, "run", reference_run)

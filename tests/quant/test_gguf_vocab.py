@@ -102,6 +102,20 @@ def test_tied_lm_head_matches_its_methods_reference(tied):
     x = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(0))
     got = model.compute_logits(x).double()
     want = head.method.reference(x, w.qweight, w.scale, zero_point=w.zero_point)
+    if "kf" in head.packed:  # a K-quant's own scales: a group whose sc is 0 is exactly -dmin mn there
+        # (the canonical form's stand-in scale would meet the quantized activations), so the fp64
+        # reference of the same split is taken from the packed weights: d sc q with the quantized
+        # activations, the offset with the float group sums
+        from appliance.layers.methods.lowbit import group_offsets
+        from appliance.layers.methods.qmath import group_sums, quant_act_asym
+
+        p = head.packed
+        off = group_offsets(p)
+        wrows = head.method.dequantize_rows(p, torch.arange(p["n"])).double()
+        sym = wrows - (0.0 if off is None else off.repeat_interleave(p["group"], dim=1))
+        want = quant_act_asym(x.float()).double() @ sym.t()
+        if off is not None:
+            want += group_sums(x.float().double(), off.shape[1]) @ off.t()
     tol = 2e-5 * want.abs().max().item() * (HIDDEN / 576) ** 0.5 + 1e-6
     if head.backend in ("w4a16_int4pack", "w8a16_int8pack"):  # bf16 activations and output
         assert ((got - want).abs() <= want.abs() * 2 ** -8 + tol).all()

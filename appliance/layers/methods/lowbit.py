@@ -10,6 +10,15 @@ per weight held: 4 bits, group 32, with offsets: 0.5 + 10 / 32 = 0.8125 (no offs
 bits, group 16: 0.75 + 6 / 16 = 1.125 (group 32: 0.9375); against 1 + 8 / G for ``w8a8_native``'s
 int8 tiles with fp32 scale and weight sum (1.5 at group 16, 1.25 at 32).
 
+GGUF K-quants keep their own scales instead (``pack_kquant``, ``WLowArgs.ksuper``; chosen without
+measuring when a layer has them, ``QuantLinear.preferred_backend``): per super-block of 256 the
+fp16 ``d`` (and ``dmin``) as fp32, per group the int8 sub-scale (and 6-bit sub-min), per row an
+int8 shift (``q + shift`` is the file's integer) and an fp32 sum ``sum_g d sc sum q``. The kernel
+forms each group's fp32 scale ``d sc`` in L1 a chunk at a time and meets the activations' zero point
+with the row sum, so no int16 group sums are held. Bytes per weight: Q4_K 0.5 + 2 / 32 + 8 / 256 =
+0.59375 (+ 5 / K per row; file 0.5625); Q6_K 0.75 + 1 / 16 + 4 / 256 = 0.828 (+ 4 / K; file 0.8203);
+a fused q/k/v mixing them, 6 bits at group 16 with mins, 0.906.
+
 The math is ``w8a8_native``'s exactly: activations quantized per token (``quant_act``), the integer
 dot products of each group exact, and the zero point's term against the float activations' group
 sums (inside the kernel rather than ``qmath.add_offset``'s GEMM). On x86 VPMADDUBSW multiplies the
@@ -93,9 +102,99 @@ def pack_lowbit(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Te
             "group": kg, "bits": bits, "n": n, "k": k}
 
 
+def _pack_planes(u: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Unsigned values uint8 [16 T, K] -> (the nibble plane [T, K/8, 16, 4], the 2-bit plane [T, K/16,
+    16, 4] for 6 bits else None), as ``WLowArgs`` lays them out."""
+    n, k = u.shape
+    tiles = n // 16
+    u8 = u.reshape(tiles, 16, k // 8, 2, 4)
+    lo = ((u8[..., 0, :] & 15) | ((u8[..., 1, :] & 15) << 4)).permute(0, 2, 1, 3).contiguous()
+    if bits != 6:
+        return lo, None
+    u16 = (u.reshape(tiles, 16, k // 16, 4, 4) >> 4).to(torch.int32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32).reshape(1, 1, 1, 4, 1)
+    return lo, (u16 << shifts).sum(3).to(torch.uint8).permute(0, 2, 1, 3).contiguous()
+
+
+def pack_kquant(qweight: torch.Tensor, t: dict, bits: int) -> dict:
+    """The ``WLowArgs`` K-quant layout (ksuper > 0) of a canonical weight and its K-quant scales
+    (``QuantLinear.kquant_tables``). The values are stored as ``pack_lowbit`` stores them (u = q + c),
+    so the kernel's q is the canonical q and the weight is ``sup sub (q + shift) - supmin submin``:
+    the offset term ``shift sup sub - supmin submin`` meets the float activations' group sums as the
+    canonical zero point's does (the same split as ``pack_lowbit``, so the same reference). Held:
+    the planes, per row an fp32 sum (``sum_g sup sub sum q``, for the activations' zero point, in fp64
+    rounded once) and an int8 shift, per group the int8 sub-scale (and sub-min), per super-block the
+    fp32 scale (and min)."""
+    n, k = qweight.shape
+    g, sb = t["group"], t["super"]
+    if kernel_group(k, g) != g or sb % g or k % sb:
+        raise ValueError(f"w{bits}a8_native: K-quant scales need group a multiple of 16 (<= 256) and a super-block "
+                         f"a multiple of it dividing in_features; got group={g}, super={sb}, in_features={k}")
+    centre = 8 if bits == 4 else 32
+    qn = qweight.numpy()
+    if qn.size and not (int(qn.min()) >= -centre and int(qn.max()) <= centre - 1):
+        raise ValueError(f"w{bits}a8_native: weight values must lie in [{-centre}, {centre - 1}]; got "
+                         f"[{int(qn.min())}, {int(qn.max())}]")
+    pad = -n % 16
+    scale = t["sup"].double().repeat_interleave(sb // g, dim=1) * t["sub"].double()  # [N, K/G], exact
+    qsum = qweight.reshape(n, k // g, g).sum(-1, dtype=torch.int32).double()
+    rowsum = torch.nn.functional.pad((scale * qsum).sum(1).float(), (0, pad))
+    u = torch.nn.functional.pad((qweight.to(torch.int16) + centre).to(torch.uint8), (0, 0, 0, pad), value=centre)
+    lo, hi = _pack_planes(u, bits)
+    shift = t["shift"]
+    flags = (1 if bool((shift != 0).any()) else 0) | (2 if t["submin"] is not None else 0)
+    kf = [rowsum, _tiles(t["sup"]).reshape(-1)]
+    k8 = [torch.nn.functional.pad(shift.to(torch.int8), (0, pad))] if flags & 1 else []
+    k8.append(_tiles(t["sub"]).reshape(-1))
+    if flags & 2:
+        kf.append(_tiles(t["supmin"]).reshape(-1))
+        k8.append(_tiles(t["submin"]).reshape(-1))
+    return {"lo": lo, "hi": hi if hi is not None else torch.empty(0, dtype=torch.uint8),
+            "kf": torch.cat(kf).contiguous(), "k8": torch.cat(k8).contiguous(),
+            "group": g, "bits": bits, "n": n, "k": k, "super": sb, "flags": flags}
+
+
+def _kq_tables(p: dict):
+    """Views of a K-quant pack: shift [T, 16] (or None), sup [T, K/S, 16], sub [T, K/G, 16], supmin,
+    submin (or None)."""
+    tiles, k = p["lo"].shape[0], p["k"]
+    ns, ng = tiles * (k // p["super"]) * 16, tiles * (k // p["group"]) * 16
+    kf, k8 = p["kf"], p["k8"]
+    shift = None
+    if p["flags"] & 1:
+        shift, k8 = k8[:tiles * 16].view(tiles, 16), k8[tiles * 16:]
+    sup = kf[tiles * 16:tiles * 16 + ns].view(tiles, -1, 16)
+    sub = k8[:ng].view(tiles, -1, 16)
+    if not p["flags"] & 2:
+        return shift, sup, sub, None, None
+    return shift, sup, sub, kf[tiles * 16 + ns:].view(tiles, -1, 16), k8[ng:].view(tiles, -1, 16)
+
+
+def group_offsets(p: dict) -> torch.Tensor | None:
+    """float64 [N, K/G]: the per-group offset a pack adds against the float activations' group sums
+    (``offset``, or a K-quant pack's ``shift sup sub - supmin submin``), or None without one."""
+    n, k, g = p["n"], p["k"], p["group"]
+    if "kf" not in p:
+        off = p["offset"]
+        return None if off is None else off.permute(0, 2, 1).reshape(-1, k // g)[:n].double()
+    shift, sup, sub, supmin, submin = _kq_tables(p)
+    if shift is None and supmin is None:
+        return None
+    rows = lambda t: t.permute(0, 2, 1).reshape(-1, t.shape[1])[:n].double()  # noqa: E731 - [T, C, 16] -> [N, C]
+    rep = p["super"] // g
+    off = torch.zeros(n, k // g, dtype=torch.float64)
+    if shift is not None:
+        off += shift.reshape(-1)[:n].double()[:, None] * rows(sup).repeat_interleave(rep, dim=1) * rows(sub)
+    if supmin is not None:
+        off -= rows(supmin).repeat_interleave(rep, dim=1) * rows(submin)
+    return off
+
+
 def _planes(p: dict) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Views of ``hiw``: the 2-bit plane [tiles, K/16, 16, 4] (None for 4 bits) and the int16 group sums."""
     tiles, k = p["lo"].shape[0], p["k"]
+    if "kf" in p:  # K-quant pack: the plane alone, no group sums
+        return (p["hi"].view(tiles, k // 16, 16, 4) if p["bits"] == 6 else None), torch.empty(0, dtype=torch.int16)
     hb = tiles * 4 * k if p["bits"] == 6 else 0
     hi = p["hiw"][:hb].view(tiles, k // 16, 16, 4) if hb else None
     return hi, p["hiw"][hb:].view(torch.int16)
@@ -123,11 +222,27 @@ class _LowBit(QuantMethod):
     def pack(self, qweight, scale, zero_point=None):
         return pack_lowbit(qweight, scale, zero_point, self.bits)
 
+    def takes_kquant(self, qweight: torch.Tensor, t: dict) -> bool:
+        """Whether this layer's K-quant scales (``QuantLinear.kquant_tables``) can be held as they are."""
+        k = qweight.shape[1]
+        s = t["shift"]
+        return (kernel_group(k, t["group"]) == t["group"] and t["super"] % t["group"] == 0 and k % t["super"] == 0
+                and int(s.min()) >= -128 and int(s.max()) <= 127 and self.takes_values(qweight))
+
+    def pack_kquant(self, qweight: torch.Tensor, t: dict) -> dict:
+        return pack_kquant(qweight, t, self.bits)
+
     def apply(self, p, x):
+        if "kf" in p:
+            return _native().gemm_wlow_kq_a8(x.float().contiguous(), p["lo"], p["hi"], p["kf"], p["k8"], p["n"],
+                                             p["group"], p["bits"], p["super"], p["flags"])
         return _native().gemm_wlow_a8(x.float().contiguous(), p["lo"], p["hiw"], p["scale"],
                                       p["offset"] if p["offset"] is not None else _empty(), p["n"], p["group"], p["bits"])
 
     def fused_descriptor(self, p, silu_mul_next=False):
+        if "kf" in p:  # kLinWLow with ints[3] = super | flags << 16 (gemm_wlow_kq_a8)
+            return FusedLinear(_KIND, p["lo"], None, (p["hi"], p["kf"], p["k8"]),
+                               (p["group"], p["bits"], p["super"] | p["flags"] << 16))
         return FusedLinear(_KIND, p["lo"], None, (p["hiw"], p["scale"], p["offset"]), (p["group"], p["bits"]))
 
     gives_rows = True
@@ -146,6 +261,17 @@ class _LowBit(QuantMethod):
             u = u | (h << 4)
         q = (u - (8 if p["bits"] == 4 else 32)).double()
         g = p["group"]
+        if "kf" in p:  # w = sup sub (q + shift) - supmin submin, in fp64, rounded once
+            shift, sup, sub, supmin, submin = _kq_tables(p)
+            rep = p["super"] // g
+            scale = sup[tile, :, r].double().repeat_interleave(rep, dim=1) * sub[tile, :, r].double()
+            w = q * scale.repeat_interleave(g, dim=1)
+            if shift is not None:
+                w += shift[tile, r].double()[:, None] * scale.repeat_interleave(g, dim=1)
+            if supmin is not None:
+                mins = supmin[tile, :, r].double().repeat_interleave(rep, dim=1) * submin[tile, :, r].double()
+                w -= mins.repeat_interleave(g, dim=1)
+            return w.float()
         w = q * p["scale"][tile, :, r].double().repeat_interleave(g, dim=1)
         if p["offset"] is not None:
             w += p["offset"][tile, :, r].double().repeat_interleave(g, dim=1)

@@ -258,6 +258,60 @@ torch::Tensor gemm_wlow_a8(const torch::Tensor& x, const torch::Tensor& lo, cons
   return out;
 }
 
+// Low-bit weights with a GGUF K-quant's own scales (WLowArgs' ksuper > 0), packed by
+// appliance/layers/methods/lowbit.py (pack_kquant). flags: 1 the rows have shifts, 2 the groups have
+// mins. hi: the 2-bit plane (6 bits) or empty; kf float32: krowsum [T*16], ksup [T, K/S, 16], then
+// ksupmin of that shape (mins); k8 int8: kshift [T*16] (shifts), ksub [T, K/G, 16], then ksubmin
+// of that shape (mins) (T = ceil(N/16)).
+torch::Tensor gemm_wlow_kq_a8(const torch::Tensor& x, const torch::Tensor& lo, const torch::Tensor& hi,
+                              const torch::Tensor& kf, const torch::Tensor& k8, int64_t n, int64_t group, int64_t bits,
+                              int64_t super, int64_t flags) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "gemm_wlow_kq_a8: x contiguous float32 [M, K]");
+  const int64_t m = x.size(0), k = x.size(1), tiles = (n + 15) / 16;
+  TORCH_CHECK(bits == 4 || bits == 6, "gemm_wlow_kq_a8: bits must be 4 or 6; got ", bits);
+  TORCH_CHECK(k % 16 == 0 && group % 16 == 0 && group <= 256 && k % group == 0,
+              "gemm_wlow_kq_a8: group must be a multiple of 16, <= 256, dividing K (a multiple of 16); got group ", group, " for K ", k);
+  TORCH_CHECK(super > 0 && super % group == 0 && k % super == 0,
+              "gemm_wlow_kq_a8: super must be a multiple of group dividing K; got super ", super, " for group ", group, ", K ", k);
+  TORCH_CHECK(flags >= 0 && flags < 4, "gemm_wlow_kq_a8: flags must be in [0, 3]; got ", flags);
+  TORCH_CHECK(lo.scalar_type() == torch::kUInt8 && lo.is_contiguous() && lo.numel() == tiles * 8 * k,
+              "gemm_wlow_kq_a8: lo uint8 [ceil(N/16), K/8, 16, 4]");
+  TORCH_CHECK(hi.scalar_type() == torch::kUInt8 && hi.is_contiguous() && hi.numel() == (bits == 6 ? tiles * 4 * k : 0),
+              "gemm_wlow_kq_a8: hi uint8 [ceil(N/16), K/16, 16, 4] (6 bits) or empty (4 bits)");
+  const int64_t groups = k / group, supers = k / super;
+  const bool shifts = flags & 1, mins = flags & 2;
+  TORCH_CHECK(k8.scalar_type() == torch::kInt8 && k8.is_contiguous() &&
+              k8.numel() == (shifts ? tiles * 16 : 0) + (mins ? 2 : 1) * tiles * groups * 16,
+              "gemm_wlow_kq_a8: k8 int8: kshift [ceil(N/16) * 16] (flags & 1), ksub [ceil(N/16), K/G, 16], then "
+              "ksubmin of that shape (flags & 2); got ", k8.numel(), " values");
+  TORCH_CHECK(kf.scalar_type() == torch::kFloat32 && kf.is_contiguous() &&
+              kf.numel() == tiles * 16 + (mins ? 2 : 1) * tiles * supers * 16,
+              "gemm_wlow_kq_a8: kf float32: krowsum [ceil(N/16) * 16], ksup [ceil(N/16), K/S, 16], then ksupmin "
+              "of that shape (flags & 2); got ", kf.numel(), " values");
+  auto out = torch::empty({m, n}, x.options());
+  ak::WLowArgs a{};
+  a.x = x.data_ptr<float>();
+  a.M = m;
+  a.K = k;
+  a.N = n;
+  a.lo = lo.data_ptr<uint8_t>();
+  a.hi = bits == 6 ? hi.data_ptr<uint8_t>() : nullptr;
+  a.group = (int)group;
+  a.bits = (int)bits;
+  a.out = out.data_ptr<float>();
+  const float* f = kf.data_ptr<float>();
+  a.krowsum = f;
+  a.ksup = f + tiles * 16;
+  a.ksupmin = mins ? a.ksup + tiles * supers * 16 : nullptr;
+  const int8_t* b = k8.data_ptr<int8_t>();
+  a.kshift = shifts ? b : nullptr;
+  a.ksub = shifts ? b + tiles * 16 : b;
+  a.ksubmin = mins ? a.ksub + tiles * groups * 16 : nullptr;
+  a.ksuper = (int)super;
+  if (m > 0 && n > 0) K()->gemm_wlow_a8(a);
+  return out;
+}
+
 // fp32 GEMM over weights prepacked by appliance/layers/linear.py (backend "native").
 torch::Tensor gemm_f32(const torch::Tensor& x, const torch::Tensor& wp, const c10::optional<torch::Tensor>& bias,
                        int64_t n, bool silu_mul) {
@@ -324,7 +378,8 @@ torch::Tensor gemm_bf16(const torch::Tensor& x_in, const torch::Tensor& wp, cons
 //               ints {group};
 //   kLinInt8Pack _weight_int8pack_mm on bf16 activations (w8a16_int8pack): aux {bf16 scales}.
 //   kLinBF16    gemm_bf16 over pack_bf16's panels (native_bf16).
-//   kLinWLow    gemm_wlow_a8 (w4a8_native, w6a8_native): aux {hiw, scale, offset}, ints {group, bits}.
+//   kLinWLow    gemm_wlow_a8 (w4a8_native, w6a8_native): aux {hiw, scale, offset}, ints {group, bits};
+//               with K-quant scales (ints[3] = super | flags << 16) gemm_wlow_kq_a8: aux {hi, kf, k8}.
 // offset_t [G, N] (empty: none) is the group zero points' term: x's G group sums times it, added.
 enum LinearKind : int64_t {
   kLinNative = 0, kLinOneDNN = 1, kLinTorch = 2, kLinW8G = 3, kLinInt4Pack = 4, kLinDynQuant4 = 5, kLinInt8Pack = 6,
@@ -411,6 +466,9 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
       y = add_offset(at::_dyn_quant_matmul_4bit(xf, w, ki[1], x.size(1), n), xf, lin[4]);
     } else if (kind == kLinInt8Pack) {
       y = at::_weight_int8pack_mm(x.to(torch::kBFloat16), w, lin[2]).to(torch::kFloat32);
+    } else if (kind == kLinWLow && ki[3]) {  // K-quant scales: ki[3] = super | flags << 16
+      y = gemm_wlow_kq_a8(x.to(torch::kFloat32).contiguous(), w, lin[2], lin[3], lin[4], n, ki[1], ki[2],
+                          ki[3] & 0xFFFF, ki[3] >> 16);
     } else if (kind == kLinWLow) {
       y = gemm_wlow_a8(x.to(torch::kFloat32).contiguous(), w, lin[2], lin[3], lin[4], n, ki[1], ki[2]);
     } else {
@@ -524,6 +582,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none());
   m.def("gemm_w8g_a8", &gemm_w8g_a8);
   m.def("gemm_wlow_a8", &gemm_wlow_a8);
+  m.def("gemm_wlow_kq_a8", &gemm_wlow_kq_a8);
   m.def("gemm_f32", &gemm_f32, pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("n"), pybind11::arg("silu_mul") = false);
   m.def("argmax_rows", &argmax_rows);

@@ -107,6 +107,20 @@ struct WLowArgs {
   int bits;              // 4 or 6
   float* out;            // [M, N] fp32, contiguous
   const int16_t* wsum;   // [ceil(N/16)][K/G][16]: the group's integer sum of q (|sum| <= 32 * 256)
+  // K-quant scales (ksuper > 0; scale, offset and wsum are then unused): a GGUF K-quant's own
+  // scales, kept at their size in the file instead of fp32 per group. Group g of row n (super-block
+  // b = g G / S) has scale[n, g] = ksup[n, b] * ksub[n, g] and offset[n, g] = kshift[n] * scale[n, g]
+  // - ksupmin[n, b] * ksubmin[n, g] (null kshift / ksubmin: those terms 0); tables in the tile layout
+  // ([ceil(N/16)][groups][16]). The activations' zero point meets the whole row at once: per token,
+  // out -= s zp krowsum[n], krowsum[n] = sum_g scale[n, g] sum_{k in g} q (q = u - c), which is
+  // the group form's sum_g scale zp wsum regrouped (no int16 sums held).
+  const int8_t* ksub;    // [ceil(N/16)][K/G][16]
+  const int8_t* ksubmin; // [ceil(N/16)][K/G][16] or null
+  const float* ksup;     // [ceil(N/16)][K/S][16]
+  const float* ksupmin;  // [ceil(N/16)][K/S][16], with ksubmin
+  const float* krowsum;  // [ceil(N/16) * 16]
+  const int8_t* kshift;  // [ceil(N/16) * 16] or null
+  int ksuper;            // S: 0 for fp32 group scales; else a multiple of G dividing K
 };
 
 struct KernelTable {

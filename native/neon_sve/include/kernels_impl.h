@@ -856,8 +856,13 @@ static void gemm_wlow_a8(const WLowArgs& a) {
   const int bias = w8g_act_bias();
 #endif
   const int64_t M = a.M, K = a.K, N = a.N, G = a.group, groups = K / G;
+  // K-quant scales: the chunk's fp32 group scales are formed from them in L1 (ksc), the group sums
+  // of q are zero (zws) and the zero point's term is taken per row in finish (krowsum)
+  const bool kq = a.ksuper > 0;
+  const int64_t S = kq ? a.ksuper : K, supers = K / S;
+  const bool has_off = a.offset || (kq && (a.ksubmin || a.kshift));
   ByteBuf xq((size_t)(M * K));
-  FloatBuf corr((size_t)M), sx((size_t)M), xs((size_t)(a.offset ? M * groups : 1));
+  FloatBuf corr((size_t)M), sx((size_t)M), xs((size_t)(has_off ? M * groups : 1));
 #ifdef AK_WLOW_FAST
   ByteBuf xsum_buf((size_t)(M * groups) * sizeof(int32_t));  // not a std::vector: see FloatBuf
   int32_t* xsum = reinterpret_cast<int32_t*>(xsum_buf.data());
@@ -865,7 +870,7 @@ static void gemm_wlow_a8(const WLowArgs& a) {
 #pragma omp parallel for schedule(static) if (M * K > (1 << 15))
   for (int64_t m = 0; m < M; ++m) {
     w8g_quant_row(a.x + m * K, K, bias, xq.data() + m * K, corr.data() + m, sx.data() + m);
-    if (a.offset)
+    if (has_off)
       for (int64_t g = 0; g < groups; ++g) {
         float sum = 0.f;
         for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += a.x[m * K + k];
@@ -883,14 +888,35 @@ static void gemm_wlow_a8(const WLowArgs& a) {
   // whole groups per chunk
   const int64_t chunk = std::max<int64_t>(G, kWLowChunk / G * G);
   const int64_t tiles = (N + 15) / 16;
-  // the tile's rows: sx * acc plus the offsets' term against the float group sums
-  auto finish = [&](int64_t tile, int64_t m, const float* ac, float s) {
+  // K-quant: groups [g0, g0 + ng) of a tile's fp32 scales into sc, and (with offsets) into off
+  auto kscales = [&](int64_t tile, int64_t g0, int64_t ng, float* sc, float* off) {
+    const int8_t* sub = a.ksub + (tile * groups + g0) * 16;
+    const int8_t* smin = a.ksubmin ? a.ksubmin + (tile * groups + g0) * 16 : nullptr;
+    for (int64_t g = 0; g < ng; ++g) {
+      const int64_t b = (tile * supers + (g0 + g) * G / S) * 16;
+      for (int r = 0; r < 16; ++r) {
+        const float s = a.ksup[b + r] * (float)sub[g * 16 + r];
+        sc[g * 16 + r] = s;
+        if (off)
+          off[g * 16 + r] = (a.kshift ? (float)a.kshift[tile * 16 + r] * s : 0.f) -
+                            (smin ? a.ksupmin[b + r] * (float)smin[g * 16 + r] : 0.f);
+      }
+    }
+  };
+  // the tile's rows: sx * acc plus the offsets' term against the float group sums; koff: the
+  // tile's K-quant offsets (null otherwise); s: the token's scale if acc is not yet scaled, else 1
+  auto finish = [&](int64_t tile, int64_t m, const float* ac, float s, const float* koff) {
     const int rows = (int)std::min<int64_t>(16, N - tile * 16);
     float* o = a.out + m * N + tile * 16;
     float y[16];
     for (int r = 0; r < 16; ++r) y[r] = s * ac[r];
-    if (a.offset) {
-      const float* off = a.offset + tile * groups * 16;
+    if (kq) {
+      const float cz = sx.data()[m] * corr.data()[m];
+      const float* rs = a.krowsum + tile * 16;
+      for (int r = 0; r < 16; ++r) y[r] -= cz * rs[r];
+    }
+    const float* off = kq ? koff : (a.offset ? a.offset + tile * groups * 16 : nullptr);
+    if (off) {
       const float* xg = xs.data() + m * groups;
       for (int64_t g = 0; g < groups; ++g)
         for (int r = 0; r < 16; ++r) y[r] += off[g * 16 + r] * xg[g];
@@ -902,6 +928,8 @@ static void gemm_wlow_a8(const WLowArgs& a) {
 #pragma omp parallel if (tiles > 1 && M * N * K > (1 << 16))
   {
     FloatBuf acc((size_t)(M * 16));
+    FloatBuf ksc(kq ? (size_t)(chunk / G * 16) : 1), koff(kq && has_off ? (size_t)(groups * 16) : 1);
+    ByteBuf zws(kq ? (size_t)(chunk / G * 16 * 2) : 1);  // zeroed
 #pragma omp for schedule(static)
     for (int64_t tile = 0; tile < tiles; ++tile) {
       for (int64_t j = 0; j < M * 16; ++j) acc.data()[j] = 0.f;
@@ -919,12 +947,19 @@ static void gemm_wlow_a8(const WLowArgs& a) {
         b.xsum = xsum + k0 / G;
         b.ldg = groups;
         b.zp = corr.data();
-        b.scale = a.scale + (tile * groups + k0 / G) * 16;
-        b.wsum = a.wsum + (tile * groups + k0 / G) * 16;
+        if (kq) {
+          kscales(tile, k0 / G, b.kc / G, ksc.data(), has_off ? koff.data() + k0 / G * 16 : nullptr);
+          b.scale = ksc.data();
+          b.wsum = reinterpret_cast<const int16_t*>(zws.data());
+        } else {
+          b.scale = a.scale + (tile * groups + k0 / G) * 16;
+          b.wsum = a.wsum + (tile * groups + k0 / G) * 16;
+        }
         b.acc = acc.data();
         wlow_block_fast(b);
       }
-      for (int64_t m = 0; m < M; ++m) finish(tile, m, acc.data() + m * 16, sx.data()[m]);
+      for (int64_t m = 0; m < M; ++m)
+        finish(tile, m, acc.data() + m * 16, sx.data()[m], kq && has_off ? koff.data() : nullptr);
     }
   }
 #else
@@ -933,6 +968,7 @@ static void gemm_wlow_a8(const WLowArgs& a) {
   {
     ByteBuf qbuf((size_t)(chunk * 16)), xbuf((size_t)(chunk * kW8GTokens));
     FloatBuf wsum((size_t)chunk), tmp(16 * kW8GTokens), acc(16 * kW8GTokens);
+    FloatBuf ksc(kq ? (size_t)(chunk / G * 16) : 1), koff(kq && has_off ? (size_t)(groups * 16) : 1);
     int8_t* q = reinterpret_cast<int8_t*>(qbuf.data());
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < tiles * blocks; ++i) {
@@ -944,8 +980,13 @@ static void gemm_wlow_a8(const WLowArgs& a) {
       for (int64_t k0 = 0; k0 < K; k0 += chunk) {
         const int64_t kc = std::min(chunk, K - k0);
         wlow_unpack(lo, hi, a.bits, k0, kc, q);
-        const int16_t* ws = a.wsum + (tile * groups + k0 / G) * 16;
-        for (int64_t j = 0; j < kc / G * 16; ++j) wsum.data()[j] = (float)ws[j];
+        if (kq) {
+          kscales(tile, k0 / G, kc / G, ksc.data(), has_off ? koff.data() + k0 / G * 16 : nullptr);
+          for (int64_t j = 0; j < kc / G * 16; ++j) wsum.data()[j] = 0.f;
+        } else {
+          const int16_t* ws = a.wsum + (tile * groups + k0 / G) * 16;
+          for (int64_t j = 0; j < kc / G * 16; ++j) wsum.data()[j] = (float)ws[j];
+        }
         W8GBlock b;
         if (T == 1) {
           b.x = xq.data() + m0 * K + k0;
@@ -958,7 +999,7 @@ static void gemm_wlow_a8(const WLowArgs& a) {
         b.corr = corr.data() + m0;
         b.sx = sx.data() + m0;
         b.w = q;
-        b.scale = a.scale + (tile * groups + k0 / G) * 16;
+        b.scale = kq ? ksc.data() : a.scale + (tile * groups + k0 / G) * 16;
         b.wsum = wsum.data();
         b.G = (int)G;
         b.out = tmp.data();
@@ -968,7 +1009,8 @@ static void gemm_wlow_a8(const WLowArgs& a) {
         if (!w8g_block_fast(b)) w8g_block_scalar(b, bias);
         for (int j = 0; j < 16 * T; ++j) acc.data()[j] += tmp.data()[j];
       }
-      for (int t = 0; t < T; ++t) finish(tile, m0 + t, acc.data() + t * 16, 1.f);  // tmp holds sx already
+      // tmp holds sx already
+      for (int t = 0; t < T; ++t) finish(tile, m0 + t, acc.data() + t * 16, 1.f, kq && has_off ? koff.data() : nullptr);
     }
   }
 #endif

@@ -1,0 +1,192 @@
+"""GGUF K-quants held with their own scales (``w4a8_native`` / ``w6a8_native``'s ``pack_kquant``, the
+native ``gemm_wlow_a8`` with ``WLowArgs.ksuper``): per super-block of 256 the fp16 ``d`` (and ``dmin``)
+as fp32, per group the int8 sub-scale (and sub-min), per row an fp32 sum and an int8 shift.
+
+- Held weights: read back (``dequantize_rows``) they equal gguf's own ``dequantize`` of the blocks
+  (computed in fp64 here): exactly for Q6_K (``d sc (u - 32)`` is exact in fp32), within 2^-23 of the
+  group's largest weight for the types with mins (``d sc u - dmin mn`` rounded once to fp32).
+- Outputs: against the fp64 reference of the math the kernel performs on the same weights
+  (``method.reference`` of the canonical form: activations quantized per token, the zero point's
+  term against the float activations), relative 2e-5 of the output scale: fp32 sums over groups, and
+  the activations' zero point met by the row's fp32 sum rather than per group (one more rounding
+  of a term of the output's size).
+- Worst cases: every 4/6-bit value at an end of its range, sub-scales at their largest (63; Q6_K's
+  int8 127 and -128), ``d``/``dmin`` at fp16's largest (65504) and smallest subnormal (2^-24),
+  activations coded 127 / -128 with nothing cancelling: the same tolerance.
+- A fused layer mixing Q4_K and Q6_K shards (a Q4_K_M file's q/k with its v), held as one 6-bit
+  layer: each row as its own type.
+- Bytes held per weight (a row of K inputs; padding rows aside): Q4_K 0.5 + 2 / 32 + 8 / 256
+  = 0.59375 (+ 5 / K per row), against the file's 0.5625 and the fp32-group form's 0.8125; Q6_K
+  0.75 + 1 / 16 + 4 / 256 = 0.828125 (+ 4 / K), against 0.8203 and 1.125.
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize as gguf_dequantize
+
+from appliance.layers import methods
+from appliance.layers.methods.qmath import group_sums, quant_act_asym
+from appliance.layers.quant import QuantLinear, _kquant_tables, packed_bytes
+from appliance.models.gguf_quants import KEPT, canonical
+from appliance.ops import native
+
+pytestmark = pytest.mark.skipif(not native.is_available(), reason="the native kernels are not built")
+
+W4, W6 = methods.get("w4a8_native"), methods.get("w6a8_native")
+# where each type's fp16 scales sit in its block, and a realistic size for them
+_SCALES = {"Q4_K": ((0, 3e-5), (2, 3e-5)), "Q5_K": ((0, 3e-5), (2, 3e-5)), "Q6_K": ((208, 1e-5),)}
+
+
+def _blocks(qtype: str, n: int, k: int, rng) -> np.ndarray:
+    """Random K-quant blocks (gguf cannot quantize K-quants) with realistic fp16 d / dmin."""
+    bt = KEPT[qtype]
+    raw = rng.integers(0, 256, (n, k // bt.block_size * bt.type_size), dtype=np.uint8)
+    blocks = raw.reshape(-1, bt.type_size)
+    for at, scale in _SCALES[qtype]:
+        blocks[:, at:at + 2] = (np.abs(rng.standard_normal(len(blocks))) * scale + scale / 4).astype(
+            np.float16).reshape(-1, 1).view(np.uint8)
+    return raw
+
+
+def _tables(cw, n: int, k: int, group: int | None = None) -> dict:
+    return _kquant_tables({None: cw.kquant}, {}, n, k, group or cw.group)
+
+
+def _reference_weights(qtype: str, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
+    return torch.from_numpy(gguf_dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, k)).double()
+
+
+def kquant_reference(x: torch.Tensor, qweight: torch.Tensor, t: dict) -> torch.Tensor:
+    """fp64 reference of the kernel's math on the file's weights: the activations quantized per token
+    (``quant_act_asym``) meet ``d sc q``; the offset ``d sc shift - dmin mn`` meets the float
+    activations' group sums. Where a group's scale is not 0 this is ``method.reference`` of the
+    canonical form; where it is 0 (sc = 0: every weight ``-dmin mn``), the canonical form substitutes
+    a power-of-two scale and integers -8, whose part would meet the quantized activations instead."""
+    g, sb = t["group"], t["super"]
+    scale = t["sup"].double().repeat_interleave(sb // g, dim=1) * t["sub"].double()
+    off = t["shift"].double()[:, None] * scale
+    if t["submin"] is not None:
+        off -= t["supmin"].double().repeat_interleave(sb // g, dim=1) * t["submin"].double()
+    w_sym = qweight.double() * scale.repeat_interleave(g, dim=1)
+    return quant_act_asym(x.float()).double() @ w_sym.t() + group_sums(x.float().double(), scale.shape[1]) @ off.t()
+
+
+def _check_outputs(m, p, qweight, t, k, xs=None):
+    for x in xs or [torch.randn(rows, k) + (torch.arange(k) == 0) * 3.0 for rows in (1, 3, 9, 20)]:
+        y = m.apply(p, x).double()
+        ref = kquant_reference(x, qweight, t)
+        assert (y - ref).abs().max().item() <= 2e-5 * ref.abs().max().item(), x.shape
+
+
+@pytest.mark.parametrize("qtype,m", [("Q4_K", W4), ("Q6_K", W6), ("Q5_K", W6), ("Q4_K", W6)])
+@pytest.mark.parametrize("n,k", [(40, 512), (17, 768)])
+def test_held_weights_are_ggufs_dequantization_and_outputs_the_reference(qtype, m, n, k):
+    rng = np.random.default_rng(2)
+    raw = _blocks(qtype, n, k, rng)
+    cw = canonical(qtype, raw, n, k)
+    t = _tables(cw, n, k)
+    assert m.takes_kquant(cw.qweight, t)
+    p = m.pack_kquant(cw.qweight, t)
+    want = _reference_weights(qtype, raw, n, k)
+    got = m.dequantize_rows(p, torch.arange(n)).double()
+    groupmax = want.abs().reshape(n, -1, 16).amax(-1, keepdim=True)
+    tol = 0.0 if qtype == "Q6_K" else 2.0 ** -23
+    assert ((got - want).reshape(n, -1, 16).abs() <= tol * groupmax + 1e-30).all()
+    _check_outputs(m, p, cw.qweight, t, k)
+    if not (cw.kquant.sub == 0).any():  # no group with scale 0: the method's own reference of the canonical form
+        x = torch.randn(3, k)
+        ref = m.reference(x, cw.qweight, cw.scale, zero_point=cw.zero_point)
+        assert (m.apply(p, x).double() - ref).abs().max().item() <= 2e-5 * ref.abs().max().item()
+    per_weight = packed_bytes(p) / (((n + 15) // 16 * 16) * k)
+    mins = cw.kquant.submin is not None
+    want_bpw = (m.bits / 8 + (2 if mins else 1) / cw.group + (8 if mins else 4) / 256
+                + (4 + (1 if cw.kquant.shift else 0)) / k)
+    assert per_weight == pytest.approx(want_bpw)
+    per_row = (4 + (1 if cw.kquant.shift else 0)) / k
+    if (qtype, m.bits) == ("Q4_K", 4):  # the file: 0.5625; the fp32-group form: 0.8125
+        assert per_weight - per_row == 0.59375
+    if qtype == "Q6_K":  # the file: 0.8203; the fp32-group form: 1.125
+        assert per_weight - per_row == 0.828125
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("scale_at", ["fp16_max", "fp16_min"])
+def test_worst_case_blocks(qtype, scale_at):
+    """Every weight at an end of its range (rows alternate which), the largest sub-scales and mins, d
+    and dmin at fp16's largest / smallest subnormal, activations coded 127 / -128 with every product
+    of one sign: the integer sums are at their largest and nothing cancels."""
+    n, k = 32, 512
+    bt = KEPT[qtype]
+    rng = np.random.default_rng(3)
+    raw = _blocks(qtype, n, k, rng).reshape(n, -1, bt.type_size)
+    d = np.array([65504.0 if scale_at == "fp16_max" else 2.0 ** -24], dtype=np.float16).view(np.uint8)
+    odd = (np.arange(n) % 2 == 1)[:, None]
+    if qtype == "Q4_K":
+        raw[..., 0:2] = d
+        raw[..., 2:4] = d
+        raw[..., 4:16] = 0xFF  # every sc and mn 63
+        raw[..., 16:144] = np.where(odd, 0xFF, 0x00)[..., None]  # u all 15 or all 0
+    else:
+        raw[..., 208:210] = d
+        raw[..., 192:208] = np.where(odd, 127, -128).astype(np.int8).view(np.uint8)[..., None]
+        raw[..., 0:192] = np.where(odd, 0xFF, 0x00)[..., None]  # u all 63 or all 0
+    raw = raw.reshape(n, -1)
+    cw = canonical(qtype, raw, n, k)
+    m = W4 if qtype == "Q4_K" else W6
+    t = _tables(cw, n, k)
+    p = m.pack_kquant(cw.qweight, t)
+    want = _reference_weights(qtype, raw, n, k)
+    got = m.dequantize_rows(p, torch.arange(n)).double()
+    assert ((got - want).abs() <= 2.0 ** -23 * want.abs().amax()).all()
+    kk = torch.arange(k)
+    x = torch.where(kk % 2 == 1, -1.0, 0.99).reshape(1, k).repeat(2, 1)
+    from appliance.layers.methods.qmath import quant_act
+
+    assert set(quant_act(x)[0].unique().tolist()) == {-128.0, 127.0}  # the codes at their ends
+    _check_outputs(m, p, cw.qweight, t, k, [x, x.abs()])
+
+
+def test_fused_layer_mixing_q4_k_and_q6_k_rows():
+    """q/k as Q4_K and v as Q6_K in one fused layer (widened to W8 groups of 16): one 6-bit layer whose
+    rows each keep their own type's scales, shifts and mins."""
+    rng = np.random.default_rng(4)
+    k, shards = 512, {"q": (0, 32), "k": (32, 16), "v": (48, 16)}
+    types = {"q": "Q4_K", "k": "Q4_K", "v": "Q6_K"}
+    lin = QuantLinear(k, 64, "w8a8", 16, shards=shards, w8_groups=True)
+    from appliance.layers.weight_loading import QuantizedWeight, load_quant_linear
+
+    raws = {}
+    for sid, (o, r) in shards.items():
+        raws[sid] = raw = _blocks(types[sid], r, k, rng)
+        cw = canonical(types[sid], raw, r, k)
+        load_quant_linear(lin, lin.qweight, QuantizedWeight(cw.qweight, cw.scale, cw.zero_point, cw.group, cw.scheme,
+                                                            cw.kquant), sid)
+    assert lin.preferred_backend() == "w6a8_native"
+    qweight, t = lin.qweight.data.clone(), lin.kquant_tables()
+    lin.set_backend("w6a8_native")
+    assert "kf" in lin.packed and lin.packed["flags"] == 3
+    want = torch.cat([_reference_weights(types[s], raws[s], shards[s][1], k) for s in shards])
+    got = W6.dequantize_rows(lin.packed, torch.arange(64)).double()
+    assert ((got - want).reshape(64, -1, 16).abs()
+            <= 2.0 ** -23 * want.abs().reshape(64, -1, 16).amax(-1, keepdim=True) + 1e-30).all()
+    _check_outputs(W6, lin.packed, qweight, t, k)
+    # the layer as the decoder stack runs it, and what it holds: 0.75 + (1 + 1) / 16 + 8 / 256 + 5 / k
+    d = lin.fused_descriptor()
+    assert d.kind == 8 and d.ints == (16, 6, 256 | 3 << 16)
+    assert packed_bytes(lin.packed) / (64 * k) == pytest.approx(0.75 + 2 / 16 + 8 / 256 + 5 / k)
+
+
+def test_layer_without_k_quant_scales_everywhere_keeps_the_group_form():
+    """A fused layer one of whose shards has no K-quant scales (a Q8_0 v): the fp32 group form, as before."""
+    rng = np.random.default_rng(5)
+    k = 256
+    lin = QuantLinear(k, 32, "w8a8", 16, shards={"a": (0, 16), "b": (16, 16)}, w8_groups=True)
+    from appliance.layers.weight_loading import QuantizedWeight, load_quant_linear
+
+    cw = canonical("Q6_K", _blocks("Q6_K", 16, k, rng), 16, k)
+    load_quant_linear(lin, lin.qweight, QuantizedWeight(cw.qweight, cw.scale, None, 16, "w8a8", cw.kquant), "a")
+    load_quant_linear(lin, lin.qweight, QuantizedWeight(cw.qweight, cw.scale, None, 16, "w8a8"), "b")
+    assert lin.kquant_tables() is None and lin.preferred_backend() is None
