@@ -341,8 +341,11 @@ def _rows_suffix(m: LinearBase) -> str:
 def _choice_key(m: LinearBase) -> tuple[str, tuple[int, ...]]:
     """(what the choice is kept under, the batch sizes it is timed at): the shape key, and for a layer
     timed at its own sizes (``probe_rows``) those sizes too, since the same shape may be chosen
-    differently at the step's sizes."""
-    return m.shape_key + _rows_suffix(m), tuple(m.probe_rows or _PROBE_ROWS)
+    differently at the step's sizes; " +silu" for a [gate; up] projection timed with its silu_and_mul
+    (``measure``'s ``silu_mul``): a GeGLU model's projection of the same shape is timed without it, and
+    neither choice is the other's (the native method's fused silu epilogue wins one, not the other)."""
+    silu = " +silu" if getattr(m, "silu_mul_next", False) else ""
+    return m.shape_key + _rows_suffix(m) + silu, tuple(m.probe_rows or _PROBE_ROWS)
 
 
 

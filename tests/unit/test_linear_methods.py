@@ -132,3 +132,28 @@ def test_share_of_probe_rows_is_at_least_one_row():
     assert linear.share_of_probe_rows(1.0) == linear._PROBE_ROWS
     assert linear.share_of_probe_rows(2 / 8) == (1, 8, 64)
     assert linear.share_of_probe_rows(1 / 1000) == (1,)
+
+
+def test_a_gate_up_timed_with_its_silu_is_kept_apart_from_the_same_shape_without(monkeypatch, tmp_path):
+    """A [gate; up] projection (``silu_mul_next``: timed with its silu_and_mul, which the native method
+    fuses) and a layer of the same shape timed without it (Gemma's GeGLU projection) are chosen apart:
+    neither model reuses the other's choice from the cache."""
+    monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(tmp_path))
+    cands = linear.float_candidates(torch.float32, CPU)
+    if len(cands) < 2:
+        pytest.skip(f"one float linear method on this host ({cands}): nothing to choose between")
+    calls = []
+
+    def fake_measure(self, candidates, rows, timer):
+        calls.append(self.silu_mul_next)
+        order = candidates[::-1] if self.silu_mul_next else candidates
+        return {c: float(i) for i, c in enumerate(order)}
+
+    monkeypatch.setattr(linear.Linear, "measure", fake_measure)
+    geglu = _layer()
+    linear.select_backends(nn.Sequential(geglu), "auto", torch.float32, CPU)
+    swiglu = _layer()
+    swiglu.silu_mul_next = True
+    linear.select_backends(nn.Sequential(swiglu), "auto", torch.float32, CPU)
+    assert (geglu.backend, swiglu.backend) == (cands[0], cands[-1])
+    assert calls == [False, True]
