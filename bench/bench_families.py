@@ -18,7 +18,10 @@ warm-up request, then (a) batch 1: REPS requests of PROMPT random token ids, OUT
 one at a time: prefill tok/s = PROMPT / time to first token, TPOT = (last - first token time) /
 (OUT - 1), medians; (b) batch B: B such requests added at once: output tok/s = B * OUT / wall time,
 and TPOT (median over requests). Ratio = family / dense for each column (TPOT: lower is better, so a
-ratio of 1.15 is 15% slower).
+ratio of 1.15 is 15% slower). Weights MB: the weight bytes one decode step reads at batch 1 and B
+(``WeightReads``: the experts the routers chose, counted per step); their ratio is the floor of the TPOT
+ratio where decode streams its weights from DRAM (an MoE at batch 16 reads ~10x the expert bytes of
+its dense twin).
 
 Run with nothing else on the machine (prints a table, writes JSON next to a .txt copy):
 
@@ -149,6 +152,7 @@ def worker(spec: dict) -> dict:
         return wall, out
 
     run(1)  # warm-up: measured backend choices, first-touch of the weights
+    reads = WeightReads(eng.runner.model)
     b1 = [run(1)[1][0] for _ in range(spec["reps"])]
     res["b1_prefill_tok_s"] = median([spec["prompt_len"] / r["ttft_s"] for r in b1])
     res["b1_tpot_ms"] = median([r["tpot_s"] * 1e3 for r in b1 if r["tpot_s"]])
@@ -159,7 +163,35 @@ def worker(spec: dict) -> dict:
         tpots += [r["tpot_s"] * 1e3 for r in rs if r["tpot_s"]]
     res["bB_out_tok_s"] = median([spec["batch"] * spec["out_len"] / w for w in walls])
     res["bB_tpot_ms"] = median(tpots)
+    res["b1_weights_mb"], res["bB_weights_mb"] = reads.mb_per_step(1), reads.mb_per_step(spec["batch"])
     return res
+
+
+class WeightReads:
+    """The weight bytes a decode step of n tokens reads: every linear layer's (as packed, the logits
+    projection included), but of a mixture-of-experts layer's experts only those the step's tokens chose
+    (recorded by a hook on each router, per step). At batch 16 with top-8 of 128 experts ~80 experts
+    are chosen per layer, 10x the bytes of the 8 a dense model of the same active width reads: the ratio
+    of these columns is the floor of the TPOT ratio where the step streams its weights from DRAM."""
+
+    def __init__(self, model):
+        from appliance.layers.linear import LinearBase
+
+        blocks = [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+        expert_layers = {id(lin) for b in blocks for e in b.experts for lin in e.modules() if isinstance(lin, LinearBase)}
+        self.fixed = sum(int(m.weight_bytes()) for m in model.modules()
+                         if isinstance(m, LinearBase) and id(m) not in expert_layers)
+        self.per_tokens: dict[int, list[int]] = {}  # tokens in the step -> expert bytes read, per router call
+        for b in blocks:
+            sizes = [sum(int(lin.weight_bytes()) for lin in e.modules() if isinstance(lin, LinearBase)) for e in b.experts]
+            b.gate.register_forward_hook(lambda mod, args, out, sizes=sizes: self.per_tokens.setdefault(
+                args[0].shape[0], []).append(sum(sizes[e] for e in out[2].unique().tolist())))
+        self.layers = max(1, len(blocks))
+
+    def mb_per_step(self, n: int) -> float:
+        calls = self.per_tokens.get(n, [])  # one per sparse layer per step
+        experts = sum(calls) / len(calls) * self.layers if calls else 0.0
+        return (self.fixed + experts) / 1e6
 
 
 def run_worker(spec: dict, timeout: float) -> dict:
@@ -178,7 +210,8 @@ def run_worker(spec: dict, timeout: float) -> dict:
 
 COLUMNS = [("read_s", "file read s", ".1f"), ("load_s", "load s (warm)", ".1f"), ("b1_prefill_tok_s", "b1 prefill tok/s", ".1f"),
            ("b1_tpot_ms", "b1 TPOT ms", ".1f"), ("bB_out_tok_s", "bB out tok/s", ".2f"),
-           ("bB_tpot_ms", "bB TPOT ms", ".1f")]
+           ("bB_tpot_ms", "bB TPOT ms", ".1f"), ("b1_weights_mb", "b1 weights MB", ".0f"),
+           ("bB_weights_mb", "bB weights MB", ".0f")]
 
 
 def table_text(record: dict) -> str:

@@ -34,12 +34,22 @@ from appliance.layers.methods.floating import pack_onednn as _pack_onednn  # noq
 _PROBE_ROWS = (1, 32, 256)
 
 
+def share_of_probe_rows(share: float) -> tuple[int, ...]:
+    """The probe batch sizes of a layer that sees ``share`` of the step's rows (a mixture-of-experts
+    expert: top_k / num_experts of them, at least one). Timed at the step's sizes instead, a
+    Qwen3-30B-A3B expert (1 and 2 rows at decode, ~16 in a 256-token prefill, where the native panel
+    GEMM is fastest) was given oneDNN (fastest at 32 and 256 rows), 1.2-1.6x slower at the rows it runs."""
+    return tuple(sorted({max(1, round(r * share)) for r in _PROBE_ROWS}))
+
+
 class LinearBase(nn.Module):
     """What select_backends needs from a linear layer (float ``Linear``, ``quant.QuantLinear``)."""
 
     method: LinearMethod | None = None  # the layer's linear method (set_backend), None before one is set
     # tensor parallelism (appliance.layers.parallel): "column" | "row" | "vocab", None when unsharded
     tp_mode: str | None = None
+    # the batch sizes its method is chosen at (select_backends); None: _PROBE_ROWS, the step's sizes
+    probe_rows: tuple[int, ...] | None = None
 
     @property
     def backend(self) -> str:
@@ -280,7 +290,7 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
     choices: dict[str, str] = {}
     cache, dirty, host = None, False, None
     for m in layers:
-        key = m.shape_key
+        key, rows = _choice_key(m)
         if key in choices:
             continue
         cands = m.candidates(dtype, device)
@@ -306,7 +316,7 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
             host = f"{detect().model_name}|{isa_caps()}|{torch.__version__}|{torch.get_num_threads()}t|{dtype!s}"
         ckey = f"{host}|{key}"
         if ckey not in cache or cache[ckey] not in cands:
-            times = m.measure(cands, _PROBE_ROWS, _time)
+            times = m.measure(cands, rows, _time)
             cache[ckey] = min(times, key=times.get)
             log.info("linear %s: relative cost %s -> %s", key, {k: f"{v:.2f}" for k, v in times.items()},
                      cache[ckey])
@@ -320,10 +330,29 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
         except OSError as e:
             log.warning("could not save linear backend choices to %s: %s", path, e)
     for m in layers:
-        m.set_backend(choices[m.shape_key])
-    # {"KxN": backend} for float layers, {"w8a8 KxN": backend} for quantized ones
-    return {f"{getattr(m, 'scheme', '') + ' ' if hasattr(m, 'scheme') else ''}{m.in_features}x{m.out_features}":
-            choices[m.shape_key] for m in layers}
+        m.set_backend(choices[_choice_key(m)[0]])
+    # {"KxN": backend} for float layers, {"w8a8 KxN": backend} for quantized ones, " rows 1,2,16" appended
+    # where a layer is chosen at its own batch sizes (experts)
+    return {f"{getattr(m, 'scheme', '') + ' ' if hasattr(m, 'scheme') else ''}{m.in_features}x{m.out_features}"
+            f"{_rows_suffix(m)}": choices[_choice_key(m)[0]] for m in layers}
+
+
+def _rows_suffix(m: LinearBase) -> str:
+    rows = m.probe_rows or _PROBE_ROWS
+    return "" if tuple(rows) == _PROBE_ROWS else " rows " + ",".join(map(str, rows))
+
+
+def _choice_key(m: LinearBase) -> tuple[str, tuple[int, ...]]:
+    """(what the choice is kept under, the batch sizes it is timed at): the shape key, and for a layer
+    timed at its own sizes (``probe_rows``) those sizes too, since the same shape may be chosen
+    differently at the step's sizes; " +silu" for a [gate; up] projection timed with its silu_and_mul
+    (``measure``'s ``silu_mul``): a GeGLU model's projection of the same shape is timed without it, and
+    neither choice is the other's (the native method's fused silu epilogue wins one, not the other)."""
+    silu = " +silu" if getattr(m, "silu_mul_next", False) else ""
+    return m.shape_key + _rows_suffix(m) + silu, tuple(m.probe_rows or _PROBE_ROWS)
+
+
+
 
 
 def weight_bytes(model: nn.Module) -> int:

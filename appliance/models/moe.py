@@ -22,6 +22,7 @@ from torch import nn
 
 from appliance.errors import ModelLoadError
 from appliance.layers.fused_moe import Router, grouped_experts
+from appliance.layers.linear import share_of_probe_rows
 from appliance.models import llama
 from appliance.models.llama import LlamaConfig, LlamaForCausalLM, MLP
 
@@ -138,6 +139,18 @@ class MoeForCausalLM(LlamaForCausalLM):
         for layer, sparse in zip(self.model.layers, cfg.sparse_layers):
             if sparse:
                 layer.mlp = SparseMoeBlock(cfg)
+
+    def prepare(self, ops, max_position: int, device: torch.device) -> None:
+        """As llama's; then each expert's projections (float or, after quantization, quantized) are marked
+        to have their linear method chosen at the rows an expert sees: ``top_k / num_experts`` of the
+        step's (``share_of_probe_rows``), not the step's own."""
+        super().prepare(ops, max_position, device)
+        cfg = self.config
+        rows = share_of_probe_rows(cfg.num_experts_per_tok / cfg.num_experts)
+        for m in self.modules():
+            if isinstance(m, SparseMoeBlock):
+                for expert in m.experts:
+                    expert.gate_up_proj.probe_rows = expert.down_proj.probe_rows = rows
 
     def _fused_layers(self):
         # the one-call native decoder stack (ops.native.llama_layers) has no MoE feed-forward

@@ -19,6 +19,7 @@ from appliance.engine.llm_engine import LLMEngine
 from appliance.errors import ModelLoadError
 from appliance.layers.forward_context import ForwardContext, set_forward_context
 from appliance.layers.fused_moe import grouped_experts
+from appliance.layers.linear import LinearBase
 from appliance.models.moe import MoeConfig, MoeForCausalLM, SparseMoeBlock
 from appliance.ops import reference as reference_ops
 
@@ -72,9 +73,22 @@ def test_greedy_and_logits_match_transformers(tiny_model_dir, arch, overrides, b
                    == 0 for i in range(n_layers)]
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers] == want_sparse
     assert all(len(b.experts) == 8 for b in _sparse_layers(model))
+    _assert_experts_chosen_at_their_rows(llm)
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS]
     check_against_transformers(llm, path, ids, MAX_NEW)
+
+
+def _assert_experts_chosen_at_their_rows(llm):
+    """Every expert projection (float or quantized) has its method chosen at the rows an expert sees:
+    top-2 of 8 experts, a quarter of the step's 1, 32 and 256 rows; the other layers at the step's."""
+    model = llm.engine.runner.model
+    experts = {id(lin) for b in _sparse_layers(model) for e in b.experts for lin in (e.gate_up_proj, e.down_proj)}
+    for name, m in model.named_modules():
+        if isinstance(m, LinearBase):
+            assert m.probe_rows == ((1, 8, 64) if id(m) in experts else None), name
+    keys = llm.engine.runner.linear_backends
+    assert any(k.endswith(" rows 1,8,64") for k in keys) and any(" rows " not in k for k in keys), keys
 
 
 @pytest.mark.parametrize("linear", ["native", "onednn", "torch"])
@@ -442,6 +456,7 @@ def test_quantized_moe_model_in_the_engine(tiny_model_dir, scheme):
         assert all(isinstance(m.gate_up_proj, QuantLinear) and isinstance(m.down_proj, QuantLinear)
                    and m.gate_up_proj.scheme == scheme for m in b.experts)
         assert b.gate.weight.dtype == torch.float32
+    _assert_experts_chosen_at_their_rows(llm)
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS]
     hf = _dequantized_twin(_hf(path), scheme)
@@ -601,6 +616,18 @@ def test_moe_gguf_quantized_experts_load_as_they_are(tiny_model_dir, tmp_path, g
     def refuse(*a, **k):
         raise AssertionError("a layer was quantized from float")
 
+    real = {name: getattr(quant, name) for name in ("quantize_int4", "quantize_int8")}
+    real_measure = quant.QuantLinear.measure
+
+    def measure(self, *a, **k):
+        # timing a method (a shape whose choice is not cached yet) quantizes a random matrix of the
+        # layer's shape, not the layer: allowed
+        with monkeypatch.context() as m:
+            for name, f in real.items():
+                m.setattr(quant, name, f)
+            return real_measure(self, *a, **k)
+
+    monkeypatch.setattr(quant.QuantLinear, "measure", measure)
     monkeypatch.setattr(quant, "quantize_int4", refuse)
     monkeypatch.setattr(quant, "quantize_int8", refuse)
     # gguf: the file's quantized tensors as they are (W4 group 32, W8 group 32), the others float

@@ -94,3 +94,66 @@ def test_unknown_names_are_refused():
         linear.select_backends(nn.Sequential(_layer()), "nope", torch.float32, CPU)
     with pytest.raises(ValueError, match="unknown quantized backend 'torch'"):
         quant.pack("torch", torch.zeros(16, 32, dtype=torch.int8), torch.ones(16, 1))
+
+
+def test_a_layer_with_its_own_probe_rows_is_timed_and_kept_apart(monkeypatch, tmp_path):
+    """A layer with ``probe_rows`` (a mixture-of-experts expert) is timed at those batch sizes, and its
+    choice is kept apart from the same shape timed at the step's sizes (in the choice cache and in the
+    summary): the two get the backend each one's own timing says."""
+    monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(tmp_path))
+    cands = linear.float_candidates(torch.float32, CPU)
+    if len(cands) < 2:
+        pytest.skip(f"one float linear method on this host ({cands}): nothing to choose between")
+    calls = []
+
+    def fake_measure(self, candidates, rows, timer):
+        calls.append((self.shape_key, tuple(rows)))
+        # the step's sizes favour the first candidate, the expert's sizes the last
+        order = candidates if tuple(rows) == linear._PROBE_ROWS else candidates[::-1]
+        return {c: float(i) for i, c in enumerate(order)}
+
+    monkeypatch.setattr(linear.Linear, "measure", fake_measure)
+    step, expert = _layer(), _layer()
+    expert.probe_rows = linear.share_of_probe_rows(8 / 128)
+    assert expert.probe_rows == (1, 2, 16)
+    got = linear.select_backends(nn.Sequential(step, expert), "auto", torch.float32, CPU)
+    assert got == {"64x32": cands[0], "64x32 rows 1,2,16": cands[-1]}
+    assert (step.backend, expert.backend) == (cands[0], cands[-1])
+    assert sorted(calls) == [("32x64", (1, 2, 16)), ("32x64", linear._PROBE_ROWS)]  # shape_key: out x in
+    # a second model reads both choices from the cache
+    assert linear.select_backends(nn.Sequential(_layer(), expert2 := _layer()), "auto", torch.float32, CPU) == {
+        "64x32": cands[0]}
+    expert2.probe_rows = (1, 2, 16)
+    assert linear.select_backends(nn.Sequential(expert2), "auto", torch.float32, CPU) == {"64x32 rows 1,2,16": cands[-1]}
+    assert len(calls) == 2
+
+
+def test_share_of_probe_rows_is_at_least_one_row():
+    assert linear.share_of_probe_rows(1.0) == linear._PROBE_ROWS
+    assert linear.share_of_probe_rows(2 / 8) == (1, 8, 64)
+    assert linear.share_of_probe_rows(1 / 1000) == (1,)
+
+
+def test_a_gate_up_timed_with_its_silu_is_kept_apart_from_the_same_shape_without(monkeypatch, tmp_path):
+    """A [gate; up] projection (``silu_mul_next``: timed with its silu_and_mul, which the native method
+    fuses) and a layer of the same shape timed without it (Gemma's GeGLU projection) are chosen apart:
+    neither model reuses the other's choice from the cache."""
+    monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(tmp_path))
+    cands = linear.float_candidates(torch.float32, CPU)
+    if len(cands) < 2:
+        pytest.skip(f"one float linear method on this host ({cands}): nothing to choose between")
+    calls = []
+
+    def fake_measure(self, candidates, rows, timer):
+        calls.append(self.silu_mul_next)
+        order = candidates[::-1] if self.silu_mul_next else candidates
+        return {c: float(i) for i, c in enumerate(order)}
+
+    monkeypatch.setattr(linear.Linear, "measure", fake_measure)
+    geglu = _layer()
+    linear.select_backends(nn.Sequential(geglu), "auto", torch.float32, CPU)
+    swiglu = _layer()
+    swiglu.silu_mul_next = True
+    linear.select_backends(nn.Sequential(swiglu), "auto", torch.float32, CPU)
+    assert (geglu.backend, swiglu.backend) == (cands[0], cands[-1])
+    assert calls == [False, True]
