@@ -165,7 +165,8 @@ def run_bench(model: str | None, draft: str | None, settings: list[str], workloa
 def run_llamacpp(target_gguf: str, draft_gguf: str | None, prompts: dict[str, list[int]], max_tokens: int,
                  k: int, threads: int, log=print) -> list[dict]:
     """llama.cpp's llama-server at batch 1 (``-np 1``) on the same prompts (token ids), greedy,
-    without and (``draft_gguf``) with its draft model (``-md DRAFT --draft-max K --draft-min 0``);
+    without and (``draft_gguf``) with its draft model (``--spec-type draft-simple -md DRAFT
+    --spec-draft-n-max K --spec-draft-n-min 0``: this llama.cpp build removed ``--draft-max``);
     decode tok/s is the server's own ``predicted_per_second`` (prompt processing not in it), and
     acceptance its ``draft_n_accepted / draft_n``. Rows as ``run_bench``'s, settings ``llama.cpp``
     and ``llama.cpp+draft``."""
@@ -177,7 +178,8 @@ def run_llamacpp(target_gguf: str, draft_gguf: str | None, prompts: dict[str, li
     rows = []
     setups = [("llama.cpp", [])]
     if draft_gguf:
-        setups.append(("llama.cpp+draft", ["-md", str(draft_gguf), "--draft-max", str(k), "--draft-min", "0",
+        setups.append(("llama.cpp+draft", ["--spec-type", "draft-simple", "-md", str(draft_gguf),
+                                           "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0",
                                            "-td", str(threads)]))
     names = list(prompts)
     for setting, extra in setups:
