@@ -139,7 +139,7 @@ def serve(
              "cores, or one --omp-threads-bind list per replica: '0-31|32-63') and its own KV cache; "
              "new requests go to the least loaded one (default 1).")] = None,
     distributed_executor_backend: Annotated[Optional[str], Opt(
-        help="How replicas run: mp (local processes, the default) | ray (Ray actors; "
+        help="How replicas and tensor-parallel ranks run: mp (local processes, the default) | ray (Ray actors; "
              "pip install \"appliance[ray]\").")] = None,
     config: Annotated[Optional[str], Opt(
         help="YAML file of flag values (keys: flag names, e.g. max-model-len: 4096); flags given here win.")] = None,

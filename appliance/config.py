@@ -26,7 +26,7 @@ ALLOCATORS = ("mimalloc", "glibc-tuned", "system")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 # vLLM's --runner: auto = pooling for a pooling architecture (a bare *Model), generate otherwise
 RUNNERS = ("auto", "generate", "pooling")
-# How replicas (and later tensor-parallel ranks) run: local processes, or Ray actors (appliance[ray])
+# How replicas and tensor-parallel ranks 1..N-1 run: local processes, or Ray actors (appliance[ray])
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 
 
@@ -155,11 +155,6 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"--tensor-parallel-size {self.tensor_parallel_size} with --data-parallel-size "
                 f"{self.data_parallel_size} is not supported: use one of them (the other at 1)", "data_parallel_size")
-        if self.tensor_parallel_size > 1 and self.distributed_executor_backend != "mp":
-            raise InvalidRequestError(
-                f"--distributed-executor-backend {self.distributed_executor_backend} runs data-parallel replicas "
-                f"only; tensor-parallel ranks (--tensor-parallel-size {self.tensor_parallel_size}) run as local "
-                f"processes: use --distributed-executor-backend mp", "distributed_executor_backend")
         from appliance.errors import ApplianceError
         from appliance.runtime.threads import check_rank_lists
 

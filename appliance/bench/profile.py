@@ -50,7 +50,7 @@ class _Timers:
 
 
 class _OpsProxy:
-    """The model's ops module with the elementwise ops timed; everything else passes through."""
+    """The runner's op set with the elementwise ops timed; everything else passes through."""
 
     def __init__(self, ops, timers: _Timers):
         self._ops = ops
@@ -85,17 +85,18 @@ def instrumented(engine, timers: _Timers):
         orig = cls.__dict__[attr]
         originals.append((cls, attr, orig))
         setattr(cls, attr, timers.wrap(bucket, orig))
-    model = engine.runner.model
     inst = [(engine.scheduler, "schedule", "sched_prep"), (engine.scheduler, "update_computed", "sched_prep"),
             (engine.runner, "_inputs", "input_prep")]
     for obj, attr, bucket in inst:
         setattr(obj, attr, timers.wrap(bucket, getattr(obj, attr)))
-    old_ops = model.ops
-    model.ops = _OpsProxy(old_ops, timers)
+    # the runner's op set is what each step's forward context carries, the one place modules read it
+    runner = engine.runner
+    old_ops = runner.ops
+    runner.ops = _OpsProxy(old_ops, timers)
     try:
         yield
     finally:
-        model.ops = old_ops
+        runner.ops = old_ops
         for obj, attr, _ in inst:
             delattr(obj, attr)  # back to the class's method
         for cls, attr, orig in originals:

@@ -38,6 +38,12 @@ class Communicator(ABC):
     def close(self) -> None:
         """Release what the communicator holds (shared memory); collectives after this are an error."""
 
+    def native_all_reduce(self) -> tuple[int, int] | None:
+        """(C function address, handle) of an in-place sum that native code may call by itself (the
+        one-call decoder stack, ``ops.native.llama_layers``), or None when the communicator has none
+        (the stack then does not run: the per-op path reduces through ``all_reduce_``)."""
+        return None
+
 
 class GlooCommunicator(Communicator):
     """torch.distributed collectives on ``group`` (None: the default group)."""

@@ -154,7 +154,7 @@ def decode_schedule(reqs, num_batched_tokens):
 # ------------------------------------------------------------------ the worker process
 
 def worker_main(rank: int, conn, world_size: int, port: int, config, info, dtype, max_model_len: int,
-                pooler_config, placement, communicator: str, default_group: bool) -> None:
+                pooler_config, placement, communicator: str, default_group: bool, host: str = "127.0.0.1") -> None:
     """Ranks 1..N-1: join the group, build this rank's runner, then run every step rank 0 sends
     until told to stop or rank 0's end of the pipe closes."""
     try:
@@ -167,7 +167,7 @@ def worker_main(rank: int, conn, world_size: int, port: int, config, info, dtype
         from appliance.layers.forward_context import ForwardContext, set_forward_context
 
         conn.send(("hello", os.getpid()))
-        pg = join_group(rank, world_size, port, COLLECTIVE_TIMEOUT_S, default_group)
+        pg = join_group(rank, world_size, port, COLLECTIVE_TIMEOUT_S, default_group, host=host)
         comm = make_communicator(communicator, pg, rank, world_size)
         with tp_group_scope(TPGroup(rank, world_size, comm)):
             runner = ModelRunner(config, info, dtype, max_model_len, torch.device("cpu"), pooler_config)
@@ -183,6 +183,9 @@ def worker_main(rank: int, conn, world_size: int, port: int, config, info, dtype
                 return  # rank 0 is gone
             if msg[0] == "stop":
                 return
+            if msg[0] == "stats":
+                conn.send(("stats", rank_stats(runner)))
+                continue
             kind, reqs, num_batched, plp = msg
             sched = decode_schedule(reqs, num_batched)
             if kind == "execute":
@@ -202,6 +205,11 @@ def worker_main(rank: int, conn, world_size: int, port: int, config, info, dtype
         comm.close()
 
 
+def rank_stats(runner) -> dict:
+    """What a rank reports about its own steps (``TPExecutor.rank_stats``): which forward path ran."""
+    return {"fused_calls": getattr(runner.model, "fused_calls", 0)}
+
+
 # ------------------------------------------------------------------ rank 0
 
 class TPExecutor:
@@ -210,11 +218,10 @@ class TPExecutor:
 
     def __init__(self, config, info, dtype: torch.dtype, max_model_len: int, device: torch.device,
                  pooler_config=None):
-        from appliance.distributed import rank_worker
         from appliance.distributed.communicator import communicator_names, make_communicator
         from appliance.distributed.parallel_state import TPGroup, join_group, new_store, tp_group_scope
         from appliance.engine.model_runner import ModelRunner
-        from appliance.runtime.worker import child_environ, worker_env
+        from appliance.runtime.worker import worker_env
 
         n = config.tensor_parallel_size
         check_tensor_parallel(config, info, device)
@@ -234,6 +241,45 @@ class TPExecutor:
         self.conns: list = []
         self._saved = (os.sched_getaffinity(0), torch.get_num_threads())
         store = new_store(n, timeout_s=STARTUP_TIMEOUT_S)
+        self.ray_set = None
+        if config.distributed_executor_backend == "ray":  # ranks 1..N-1 as Ray actors (ray_ranks)
+            from appliance.distributed.ray_ranks import start_rank_actors
+            from appliance.server.dp_client import check_backend
+
+            check_backend(config)  # Ray not installed: refused, saying how to install it
+
+            def payload_for(r: int, host: str) -> bytes:
+                return pickle.dumps((n, store.port, config, info, dtype, max_model_len, pooler_config,
+                                     placements[r], self.communicator, self.default_group, host))
+
+            self.ray_set, self.procs = start_rank_actors(
+                placements[1:], payload_for,
+                [worker_env(config.allocator, placement=placements[r]) for r in range(1, n)])
+            self.conns = list(self.procs)  # a RayRank is its rank's process and pipe end at once
+        else:
+            self._spawn(n, store, config, info, dtype, max_model_len, pooler_config, placements)
+        try:
+            self._await("hello", STARTUP_TIMEOUT_S)
+            self._apply_placement(placements[0])
+            pg = join_group(0, n, store.port, COLLECTIVE_TIMEOUT_S, self.default_group, store=store)
+            self.comm = make_communicator(self.communicator, pg, 0, n)
+            self.group = TPGroup(0, n, self.comm)
+            with tp_group_scope(self.group):
+                self.runner = ModelRunner(config, info, dtype, max_model_len, device, pooler_config)
+            blocks = self._await("ready", STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+        assert all(b == self.runner.num_blocks for b in blocks), (blocks, self.runner.num_blocks)
+        self._store = store  # rank 0 serves the store: it lives as long as the group
+        log.info("tensor parallel: %d ranks (%s, %s), worker pids %s", n, self.communicator,
+                 config.distributed_executor_backend, [p.pid for p in self.procs])
+
+    def _spawn(self, n, store, config, info, dtype, max_model_len, pooler_config, placements) -> None:
+        """Ranks 1..N-1 as spawned local processes, each with a pipe to this one."""
+        from appliance.distributed import rank_worker
+        from appliance.runtime.worker import child_environ, worker_env
+
         ctx = mp.get_context("spawn")
         proc_conf = mp.current_process()._config
         daemonic = proc_conf.get("daemon")
@@ -257,22 +303,6 @@ class TPExecutor:
             if daemonic:
                 proc_conf["daemon"] = daemonic
         self._start_reaper()
-        try:
-            self._await("hello", STARTUP_TIMEOUT_S)
-            self._apply_placement(placements[0])
-            pg = join_group(0, n, store.port, COLLECTIVE_TIMEOUT_S, self.default_group, store=store)
-            self.comm = make_communicator(self.communicator, pg, 0, n)
-            self.group = TPGroup(0, n, self.comm)
-            with tp_group_scope(self.group):
-                self.runner = ModelRunner(config, info, dtype, max_model_len, device, pooler_config)
-            blocks = self._await("ready", STARTUP_TIMEOUT_S)
-        except BaseException:
-            self.close()
-            raise
-        assert all(b == self.runner.num_blocks for b in blocks), (blocks, self.runner.num_blocks)
-        self._store = store  # rank 0 serves the store: it lives as long as the group
-        log.info("tensor parallel: %d ranks (%s), worker pids %s", n, self.communicator,
-                 [p.pid for p in self.procs])
 
     def _start_reaper(self) -> None:
         """Reap each worker the moment it exits. Until its parent reaps it, a dead process is a
@@ -369,6 +399,12 @@ class TPExecutor:
     def execute_pooling(self, sched):
         return self._step(encode_schedule(sched, None, "forward"), lambda: self.runner.execute_pooling(sched))
 
+    def rank_stats(self) -> list[dict]:
+        """Every rank's ``rank_stats``, in rank order (the workers answer after their pending steps)."""
+        for c in self.conns:
+            c.send_bytes(pickle.dumps(("stats",)))
+        return [rank_stats(self.runner)] + self._await("stats", COLLECTIVE_TIMEOUT_S)
+
     def close(self) -> None:
         """Stop the workers (politely, then by force) and give this process its CPUs back."""
         for c in self.conns:
@@ -384,6 +420,9 @@ class TPExecutor:
         for c in self.conns:
             c.close()
         self.conns, self.procs = [], []
+        if self.__dict__.get("ray_set") is not None:
+            self.ray_set.stop()
+            self.ray_set = None
         comm = self.__dict__.get("comm")
         if comm is not None:
             comm.close()

@@ -71,16 +71,18 @@ def new_store(world_size: int, host: str = "127.0.0.1", timeout_s: float = 60.0)
                          wait_for_workers=False)
 
 
-def join_group(rank: int, world_size: int, port: int, timeout_s: float, default: bool, store=None):
+def join_group(rank: int, world_size: int, port: int, timeout_s: float, default: bool, store=None,
+               host: str = "127.0.0.1"):
     """This rank's gloo group: torch.distributed's default group when ``default`` (what the "shm"
     communicator sets itself up through: its store and object collectives), else a group of its
-    own (``gloo_group``). Returns the group to give ``make_communicator`` (None: the default)."""
+    own (``gloo_group``). Returns the group to give ``make_communicator`` (None: the default).
+    ``host``: where rank 0's store listens (loopback for local ranks; rank 0's node under Ray)."""
     import torch.distributed as dist
 
     if not default:
-        return gloo_group(rank, world_size, "127.0.0.1", port, timeout_s, store=store)
+        return gloo_group(rank, world_size, host, port, timeout_s, store=store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
-        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
+        store = dist.TCPStore(host, port, world_size, False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     return None

@@ -282,6 +282,10 @@ class ShmCommunicator(GlooCommunicator):
         t.copy_(c)
         return t
 
+    def native_all_reduce(self) -> tuple[int, int] | None:
+        # the same segment and sequence as all_reduce_: native and Python steps may interleave
+        return None if self.segment is None else self.segment.c_entry()
+
     def close(self) -> None:
         if self.segment is not None:
             self.segment.close()

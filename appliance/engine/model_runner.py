@@ -49,7 +49,7 @@ class ModelRunner:
         self.model = load_model(info, dtype, device, config.quantization, config.quant_group_size,
                                 config.linear_backend)
         self.ops = get_ops(config.attention_backend, device.type)
-        self.model.prepare(self.ops, max_model_len, device)
+        self.model.prepare(max_model_len, device)
         # Speculative decoding verifies 1 + k tokens per step at batch 1. A backend chosen at 1 row
         # alone can cost twice as much there (torch's sgemm at 4 rows of a 576-wide layer: 1.7-2.4x
         # its 1-row time, the prepacked native panels 1.0x), which ate the gain of accepted drafts.

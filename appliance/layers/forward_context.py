@@ -34,6 +34,12 @@ class ForwardContext:
 _current: ForwardContext | None = None
 
 
+def current_ops() -> ModuleType:
+    """The op set (reference, native or CUDA) of the step running now: modules read it here rather than
+    take it as an argument, so the runner is its one source."""
+    return get_forward_context().ops
+
+
 def get_forward_context() -> ForwardContext:
     if _current is None:
         raise RuntimeError("attention called outside a model runner step (no forward context set)")

@@ -55,12 +55,12 @@ class Router(nn.Module):
         return logits, weights, ids
 
 
-def grouped_experts(ops, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+def grouped_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                     experts: nn.ModuleList) -> torch.Tensor:
     """sum over k of ``weights[t, k] * experts[expert_ids[t, k]](x[t])`` for every token t.
 
     x ``[T, hidden]``; expert_ids, weights ``[T, top_k]`` -> ``[T, hidden]`` in x's dtype. Each
-    expert module is called as ``expert(ops, rows)`` once, on all of its rows of this step."""
+    expert module is called as ``expert(rows)`` once, on all of its rows of this step."""
     t, k = expert_ids.shape
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # the step's (token, slot) pairs grouped by expert
@@ -71,7 +71,7 @@ def grouped_experts(ops, x: torch.Tensor, expert_ids: torch.Tensor, weights: tor
     start = 0
     for e, n in enumerate(counts):
         if n:
-            out_rows[start:start + n] = experts[e](ops, rows[start:start + n])
+            out_rows[start:start + n] = experts[e](rows[start:start + n])
             start += n
     # Each row weighted (in the weights' dtype, then rounded to x's, as transformers does), then summed
     # per token in increasing expert order, in x's dtype, as transformers' loop over experts adds them

@@ -1,8 +1,10 @@
-"""RMSNorm through the ops facade (reference or native)."""
+"""RMSNorm through the step's op set (reference or native; ``forward_context.current_ops``)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from appliance.layers.forward_context import current_ops
 
 
 class RMSNorm(nn.Module):
@@ -11,7 +13,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, ops, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        ops = current_ops()
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
@@ -47,7 +50,8 @@ class OffsetRMSNorm(nn.Module):
         self.scale = (self._stored_scale.to(w.device) if self._stored_scale is not None
                       else 1.0 + w.float())
 
-    def forward(self, ops, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        ops = current_ops()
         if residual is None:
             return ops.rms_norm(x, self.scale, self.eps)
         return ops.fused_add_rms_norm(x, residual, self.scale, self.eps)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from appliance.errors import ModelLoadError
+from appliance.layers.forward_context import current_ops
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # types that stretch a context trained at original_max_position_embeddings
@@ -183,5 +184,5 @@ class RotaryEmbedding(nn.Module):
         self.is_neox = is_neox
         self.head_size = head_size
 
-    def forward(self, ops, positions, q, k):
-        return ops.rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox)
+    def forward(self, positions, q, k):
+        return current_ops().rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox)

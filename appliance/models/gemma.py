@@ -25,6 +25,7 @@ from torch import nn
 
 from appliance.errors import ModelLoadError
 from appliance.layers.attention import Attention, layer_sliding_windows
+from appliance.layers.forward_context import current_ops
 from appliance.layers.linear import Linear
 from appliance.layers.norm import OffsetRMSNorm
 from appliance.layers.rotary import build_inv_freq, check_rope, cos_sin_cache
@@ -202,16 +203,16 @@ class SelfAttention(nn.Module):
                               sliding_window=cfg.sliding_windows[layer_idx],
                               logits_soft_cap=cfg.attn_logit_softcapping)
 
-    def forward(self, ops, cos_sin: dict, positions, x):
+    def forward(self, cos_sin: dict, positions, x):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q = self.q_norm(ops, q)
-            k = self.k_norm(ops, k)
-        q, k = ops.rotary_embedding(positions, q, k, cos_sin[self.layer_type], True)
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = current_ops().rotary_embedding(positions, q, k, cos_sin[self.layer_type], True)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -226,8 +227,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, cfg.hidden_size)
         self.approximate = cfg.gelu_approximate
 
-    def forward(self, ops, x):
-        return self.down_proj(ops.gelu_and_mul(self.gate_up_proj(x), self.approximate))
+    def forward(self, x):
+        return self.down_proj(current_ops().gelu_and_mul(self.gate_up_proj(x), self.approximate))
 
 
 class DecoderLayer(nn.Module):
@@ -241,17 +242,17 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.post_feedforward_layernorm = OffsetRMSNorm(h, eps)
 
-    def forward(self, ops, cos_sin, positions, x, residual):
+    def forward(self, cos_sin, positions, x, residual):
         """``x``: the previous layer's post-feed-forward-normed output, not yet added to ``residual``
         (None for the first layer, where ``x`` is the scaled embedding). Returns the same pair."""
         if residual is None:
             residual = x.clone()
-            x = self.input_layernorm(ops, x)
+            x = self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm(ops, x, residual)
-        x = self.post_attention_layernorm(ops, self.self_attn(ops, cos_sin, positions, x))
-        x, residual = self.pre_feedforward_layernorm(ops, x, residual)
-        return self.post_feedforward_layernorm(ops, self.mlp(ops, x)), residual
+            x, residual = self.input_layernorm(x, residual)
+        x = self.post_attention_layernorm(self.self_attn(cos_sin, positions, x))
+        x, residual = self.pre_feedforward_layernorm(x, residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class Model(nn.Module):
@@ -279,13 +280,11 @@ class GemmaForCausalLM(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.cos_sin: dict[str, torch.Tensor] = {}
         self.embed_scale: torch.Tensor | None = None
-        self.ops = None
 
-    def prepare(self, ops, max_position: int, device: torch.device) -> None:
-        """After weights are loaded and cast: the ops, a RoPE table per layer type, the norms' float32
-        factors, the embedding scale."""
+    def prepare(self, max_position: int, device: torch.device) -> None:
+        """After weights are loaded and cast: a RoPE table per layer type, the norms' float32 factors,
+        the embedding scale."""
         cfg = self.config
-        self.ops = ops
         for layer_type, theta, scaling in cfg.rope:
             # the one rotary table builder (rotary.cos_sin_cache): a scaling's attention factor applies too
             inv_freq, factor = build_inv_freq(cfg.head_dim, theta, scaling, cfg.max_position_embeddings,
@@ -304,12 +303,11 @@ class GemmaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        ops = self.ops
         x = self.model.embed_tokens(input_ids) * self.embed_scale
         residual = None
         for layer in self.model.layers:
-            x, residual = layer(ops, self.cos_sin, positions, x, residual)
-        x, _ = self.model.norm(ops, x, residual)
+            x, residual = layer(self.cos_sin, positions, x, residual)
+        x, _ = self.model.norm(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from torch import nn
 from appliance.distributed.parallel_state import get_tp_group
 from appliance.errors import ModelLoadError
 from appliance.layers.attention import Attention, layer_sliding_windows
+from appliance.layers.forward_context import current_ops, get_forward_context
 from appliance.layers.linear import Linear
 from appliance.layers.norm import RMSNorm
 from appliance.layers.rotary import build_inv_freq, cos_sin_cache, rope_parameters, rotary_dim
@@ -137,7 +138,7 @@ class SelfAttention(nn.Module):
         window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, layer_idx, sliding_window=window)
 
-    def forward(self, ops, rotary: Rotary, positions, x):
+    def forward(self, rotary: Rotary, positions, x):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -145,9 +146,9 @@ class SelfAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q = self.q_norm(ops, q)
-            k = self.k_norm(ops, k)
-        q, k = ops.rotary_embedding(positions, q, k, rotary.cos_sin_cache, True)
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = current_ops().rotary_embedding(positions, q, k, rotary.cos_sin_cache, True)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -160,11 +161,11 @@ class MLP(nn.Module):
         self.gate_up_proj.silu_mul_next = True
         self.down_proj = Linear(i, cfg.hidden_size, bias=cfg.mlp_bias, tp="row")
 
-    def forward(self, ops, x):
+    def forward(self, x):
         gu = self.gate_up_proj
         if getattr(gu, "fused_silu_mul", False):  # native float GEMM: silu(gate) * up in its epilogue
             return self.down_proj(gu.forward_silu_mul(x))
-        return self.down_proj(ops.silu_and_mul(gu(x)))
+        return self.down_proj(current_ops().silu_and_mul(gu(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -175,15 +176,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, ops, rotary, positions, x, residual):
+    def forward(self, rotary, positions, x, residual):
         if residual is None:
             residual = x.clone()
-            x = self.input_layernorm(ops, x)
+            x = self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm(ops, x, residual)
-        x = self.self_attn(ops, rotary, positions, x)
-        x, residual = self.post_attention_layernorm(ops, x, residual)
-        return self.mlp(ops, x), residual
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(rotary, positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class Model(nn.Module):
@@ -209,11 +210,10 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings and cfg.has_lm_head:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, tp="vocab")
         self.rotary: Rotary | None = None
-        self.ops = None
+        self.fused_calls = 0  # forwards run by the one-call native stack (_fused_layers)
 
-    def prepare(self, ops, max_position: int, device: torch.device) -> None:
-        """After weights are loaded: pick the ops module and build the rotary cache."""
-        self.ops = ops
+    def prepare(self, max_position: int, device: torch.device) -> None:
+        """After weights are loaded: build the rotary cache (and tie the logits projection)."""
         self.rotary = Rotary(self.config, max_position, device)
         if self.config.tie_word_embeddings and self.config.has_lm_head:
             # The logits projection shares the embedding's table (float or quantized); as a linear
@@ -222,15 +222,14 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        ops = self.ops
         x = self.model.embed_tokens(input_ids)
         fused = self._fused_layers()
         if fused is not None:
             return fused(x, positions)
         residual = None
         for layer in self.model.layers:
-            x, residual = layer(ops, self.rotary, positions, x, residual)
-        x, _ = self.model.norm(ops, x, residual)
+            x, residual = layer(self.rotary, positions, x, residual)
+        x, _ = self.model.norm(x, residual)
         return x
 
     def _fused_layers(self):
@@ -239,16 +238,15 @@ class LlamaForCausalLM(nn.Module):
         o, gate/up and down projection on a method the stack applies (``fused_descriptor``), norms,
         KV caches and activations of one dtype the kernels take (float32 or bfloat16), a float32 rotary
         table, head_dim a multiple of 16."""
-        ops = self.ops
+        ctx = get_forward_context()
+        ops = ctx.ops
         if not getattr(ops, "FUSED_LAYERS", False) or not hasattr(ops, "llama_layers"):
             return None
-        if self.tp_group.is_parallel:
-            # the one-call native stack cannot all-reduce between its row-parallel projections and
-            # the next layer (yet): tensor-parallel ranks run the per-op path
+        # tensor parallel: the stack sums the row-parallel o_proj and down_proj outputs itself, through
+        # the communicator's native entry (shared memory); one without (gloo) leaves the per-op path
+        all_reduce = self.tp_group.communicator.native_all_reduce() if self.tp_group.is_parallel else (0, 0)
+        if all_reduce is None:
             return None
-        from appliance.layers.forward_context import get_forward_context
-
-        ctx = get_forward_context()
         # a new KV cache or a layer packed anew (set_backend) rebuilds the plan
         key = (id(ctx.kv_caches),) + tuple(id(d.weight) if (d := m.fused_descriptor()) else None
                                            for m in self._linears(0))
@@ -260,12 +258,18 @@ class LlamaForCausalLM(nn.Module):
             return None
         flat, kinds = plan[1]
         cfg, md = self.config, ctx.attn
-        scale = self.model.layers[0].self_attn.attn.scale
+        at = self.model.layers[0].self_attn  # this rank's heads and MLP width (all of them on one rank)
+        scale = at.attn.scale
+        intermediate = self.model.layers[0].mlp.down_proj.in_features
         windows = [layer.self_attn.attn.sliding_window for layer in self.model.layers]
-        return lambda x, positions: ops.llama_layers(
-            x, positions, flat, kinds, windows, self.model.norm.weight, cfg.rms_norm_eps, cfg.num_attention_heads,
-            cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, scale, self.rotary.cos_sin_cache,
-            md.slot_mapping, md.block_table, md.seq_lens, md.query_start_loc)
+
+        def run(x, positions):
+            self.fused_calls += 1  # which path ran, for tests and benchmarks (equal outputs cannot tell)
+            return ops.llama_layers(
+                x, positions, flat, kinds, windows, self.model.norm.weight, cfg.rms_norm_eps, at.num_heads,
+                at.num_kv_heads, cfg.head_dim, intermediate, scale, self.rotary.cos_sin_cache,
+                md.slot_mapping, md.block_table, md.seq_lens, md.query_start_loc, all_reduce)
+        return run
 
     def _linears(self, i: int):
         layer = self.model.layers[i]

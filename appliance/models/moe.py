@@ -118,12 +118,12 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Module()
             self.shared_expert_gate.weight = nn.Parameter(torch.empty(1, cfg.hidden_size), requires_grad=False)
 
-    def forward(self, ops, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         _, weights, ids = self.gate(x)
-        out = grouped_experts(ops, x, ids, weights, self.experts)
+        out = grouped_experts(x, ids, weights, self.experts)
         if self.shared_expert is not None:
             g = torch.sigmoid(torch.nn.functional.linear(x, self.shared_expert_gate.weight))
-            out = out + g * self.shared_expert(ops, x)
+            out = out + g * self.shared_expert(x)
         return out
 
 

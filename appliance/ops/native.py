@@ -43,7 +43,9 @@ PAGED_PREFILL = True
 # Models whose every op runs here and whose linear layers are float (native, oneDNN or torch backend)
 # may run all their decoder layers in one call (``llama_layers``: the same kernels in the same order,
 # without the Python between them). False keeps the per-op path (tests compare the two).
-FUSED_LAYERS = True
+# APPLIANCE_FUSED_LAYERS=0 sets it False in every process that imports this module, tensor-parallel
+# workers included (they inherit the environment): how benchmarks and tests compare the paths under TP.
+FUSED_LAYERS = os.environ.get("APPLIANCE_FUSED_LAYERS", "1") != "0"
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 # KV cache storage the kernels read and write: the float dtypes, and one byte per element with
 # per-row float32 scales (reference.quantize_kv)
@@ -517,15 +519,18 @@ def gemm_bf16(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None, n: i
 def llama_layers(embeds: torch.Tensor, positions: torch.Tensor, layers: list[torch.Tensor], kinds: list[int],
                  windows: list[int], final_norm_w: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
                  intermediate: int, scale: float, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
-                 block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+                 block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                 all_reduce: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """Every decoder layer of a Llama-family model and its final norm in one native call (see
     ``llama_layers`` in native/neon_sve/bindings/torch_bindings.cpp for the 26 tensors per layer;
     ``kinds``: the ``LinearKind`` and 3 ints of its q/k/v, o, gate/up and down projections, from their linear
     methods' ``fused_descriptor``, appliance/layers/methods; ``windows``: each layer's sliding window,
-    0 for full attention)."""
+    0 for full attention). Under tensor parallelism the head counts and ``intermediate`` are this rank's,
+    and ``all_reduce`` is the communicator's ``native_all_reduce()`` (function address, handle): the
+    stack sums o_proj's and down_proj's partial outputs through it; (0, 0) on one rank."""
     return _require().llama_layers(embeds, positions, layers, kinds, windows, final_norm_w, float(eps), num_heads,
                                    num_kv_heads, head_dim, intermediate, float(scale), cos_sin, slot_mapping,
-                                   block_table, seq_lens, query_start_loc)
+                                   block_table, seq_lens, query_start_loc, int(all_reduce[0]), int(all_reduce[1]))
 
 
 def gate_up_order(intermediate: int) -> torch.Tensor | None:

@@ -100,7 +100,11 @@ def check_backend(config: EngineConfig) -> None:
 
 
 def uses_replica_set(config: EngineConfig) -> bool:
-    """The one-process path stays as it was unless data parallel or Ray is asked for."""
+    """The one-process path stays as it was unless data parallel or Ray is asked for. One
+    tensor-parallel engine under Ray is that one process too: rank 0 is the engine core (as vLLM's
+    driver worker), its ranks 1..N-1 Ray actors (appliance/distributed/ray_ranks.py)."""
+    if config.tensor_parallel_size > 1 and config.data_parallel_size == 1:
+        return False
     return config.data_parallel_size > 1 or config.distributed_executor_backend != "mp"
 
 

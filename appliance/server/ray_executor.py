@@ -13,10 +13,8 @@ running) with no dashboard and usage statistics off; ``RAY_ADDRESS`` set in the 
 that cluster instead. One placement group holds one bundle per replica (its CPUs); each actor runs
 in its bundle with the replica's OpenMP environment (thread count, places, allocator preload).
 
-For a tensor-parallel executor (not built here): ``EngineCoreActor`` hosts any loop over typed
-messages. A TP worker rank would subclass it and override ``start`` to build its rank's shard and
-run its worker loop on the same inbox/outbox, created in the same placement group (one bundle per
-rank) with ``RayReplicaSet.create_actor``; rank 0's messages then travel exactly as a replica's do.
+Tensor-parallel worker ranks as actors: appliance/distributed/ray_ranks.py (its own placement group
+through ``RayReplicaSet``, one bundle per rank; rank 0 is the engine).
 
 Limits: CPU pinning is computed by the driver from this host's CPUs, so replicas on other hosts
 (a multi-node ``RAY_ADDRESS``) would need their own placement computed on their node.
@@ -137,8 +135,9 @@ class EngineCoreActor:
 class RayReplicaSet:
     """The Ray side of a replica set: Ray itself, the placement group (one bundle per replica), the actors."""
 
-    def __init__(self, placements: list):
+    def __init__(self, placements: list, name: str = "appliance-replicas"):
         self.placements = placements
+        self.name = name
         self.pg = None
         self.started_ray = False
 
@@ -158,7 +157,7 @@ class RayReplicaSet:
                          logging_level=logging.WARNING)
             self.started_ray = True
         bundles = [{"CPU": p.num_threads} for p in self.placements]
-        self.pg = placement_group(bundles, strategy="PACK", name="appliance-replicas")
+        self.pg = placement_group(bundles, strategy="PACK", name=self.name)
         try:
             ray.get(self.pg.ready(), timeout=60)
         except Exception as e:  # noqa: BLE001 - ray raises its own timeout types
@@ -166,13 +165,13 @@ class RayReplicaSet:
                                  f"bundle(s) {bundles} was not placed within 60 s ({type(e).__name__}: {e}); "
                                  f"Ray sees {ray.cluster_resources().get('CPU', 0)} CPUs") from None
 
-    def create_actor(self, index: int, env: dict[str, str], cls=EngineCoreActor):
+    def create_actor(self, index: int, env: dict[str, str], cls=EngineCoreActor, name: str | None = None):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         p = self.placements[index]
         return ray.remote(cls).options(
-            num_cpus=p.num_threads, max_concurrency=4, max_restarts=0, name=f"appliance-engine-core-{index}",
+            num_cpus=p.num_threads, max_concurrency=4, max_restarts=0, name=name or f"appliance-engine-core-{index}",
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                                  placement_group_bundle_index=index),
             runtime_env={"env_vars": env},

@@ -30,13 +30,12 @@ def test_tp_size_must_be_positive_and_fit_the_cpus():
         EngineConfig(tensor_parallel_size=0)
 
 
-def test_tp_with_data_parallel_or_ray_is_refused_naming_the_flags():
+def test_tp_with_data_parallel_is_refused_naming_the_flags():
     with pytest.raises(InvalidRequestError, match=r"--tensor-parallel-size 2 with --data-parallel-size 2") as e:
         EngineConfig(tensor_parallel_size=2, data_parallel_size=2)
     assert e.value.param == "data_parallel_size"
-    with pytest.raises(InvalidRequestError, match=r"--distributed-executor-backend ray runs data-parallel") as e:
-        EngineConfig(tensor_parallel_size=2, distributed_executor_backend="ray")
-    assert e.value.param == "distributed_executor_backend"
+    # ranks as Ray actors are accepted (tests/distributed/test_tp_ray.py)
+    assert EngineConfig(tensor_parallel_size=2, distributed_executor_backend="ray").tensor_parallel_size == 2
 
 
 def test_tp_size_must_divide_the_kv_heads(tiny_model_dir):

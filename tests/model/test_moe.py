@@ -17,6 +17,7 @@ from appliance import LLM, SamplingParams
 from appliance.config import EngineConfig
 from appliance.engine.llm_engine import LLMEngine
 from appliance.errors import ModelLoadError
+from appliance.layers.forward_context import ForwardContext, set_forward_context
 from appliance.layers.fused_moe import grouped_experts
 from appliance.models.moe import MoeConfig, MoeForCausalLM, SparseMoeBlock
 from appliance.ops import reference as reference_ops
@@ -185,8 +186,8 @@ def test_grouped_experts_equal_per_token_loop(arch, tokens):
     want = _per_token_reference(block, x, w, e)
     calls = []
     for e in block.experts:  # each expert is called at most once per step
-        e.register_forward_hook(lambda m, i, o: calls.append((id(m), i[1].shape[0])))
-    got = block(reference_ops, x)
+        e.register_forward_hook(lambda m, i, o: calls.append((id(m), i[0].shape[0])))
+    got = _with_ops(reference_ops, block, x)
     assert len(calls) == len(set(c[0] for c in calls)) == len(set(want_e.flatten().tolist()))
     assert sum(c[1] for c in calls) == tokens * 4
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
@@ -199,12 +200,19 @@ def test_grouped_experts_weights_dtype_as_transformers():
     x = torch.tensor([[1.0, 3.0]], dtype=torch.bfloat16)
     ids = torch.tensor([[0, 1]])
     w = torch.tensor([[0.3, 0.7]])
-    got32 = grouped_experts(None, x, ids, w, experts)
-    got16 = grouped_experts(None, x, ids, w.bfloat16(), experts)
+    got32 = grouped_experts(x, ids, w, experts)
+    got16 = grouped_experts(x, ids, w.bfloat16(), experts)
     want32 = ((2 * x).float() * 0.3).bfloat16() + ((3 * x).float() * 0.7).bfloat16()
     want16 = (2 * x) * torch.tensor(0.3).bfloat16() + (3 * x) * torch.tensor(0.7).bfloat16()
     assert torch.equal(got32, want32) and torch.equal(got16, want16)
     assert got32.dtype == got16.dtype == torch.bfloat16
+
+
+def _with_ops(ops, module, *args):
+    """Call ``module`` as a model step does: with ``ops`` as the step's op set (modules read it from
+    the forward context)."""
+    with set_forward_context(ForwardContext(None, [], ops)):
+        return module(*args)
 
 
 class _Scale(torch.nn.Module):
@@ -212,7 +220,7 @@ class _Scale(torch.nn.Module):
         super().__init__()
         self.s = s
 
-    def forward(self, ops, x):
+    def forward(self, x):
         return x * self.s
 
 
@@ -375,7 +383,7 @@ def test_quantized_experts_match_their_methods_reference(scheme, backend):
         m.set_backend(backend)
     x = torch.randn(24, 64, generator=torch.Generator().manual_seed(1))
     _, w, e = block.gate(x)
-    got = block(reference_ops, x)
+    got = _with_ops(reference_ops, block, x)
 
     def proj(m, v):
         qw, s, zp = canon[id(m)]

@@ -30,7 +30,6 @@ from appliance.layers.vocab import QuantEmbedding
 from appliance.models.gguf_loader import GGUFSource
 from appliance.models.gguf_quants import KEPT, canonical
 from appliance.models.loader import load, model_info
-from appliance.ops import get_ops
 
 CPU = torch.device("cpu")
 HIDDEN, FFN, N_HEAD, N_KV, LAYERS = 256, 512, 4, 2, 2
@@ -66,7 +65,7 @@ def _assert_rows(got: torch.Tensor, want: torch.Tensor, qtype: str) -> None:
 
 def _packed_model(path):
     model = load(model_info(path), torch.float32, CPU, "gguf", 32)
-    model.prepare(get_ops("auto"), 128, CPU)
+    model.prepare(128, CPU)
     select_backends(model, "auto", torch.float32, CPU)
     return model
 
@@ -80,7 +79,7 @@ def test_embedding_rows_are_ggufs_dequantization_and_no_float_table_is_held(tied
     ids = torch.arange(want.shape[0])
     _assert_rows(emb(ids), want, qtype)
 
-    model.prepare(get_ops("auto"), 128, CPU)
+    model.prepare(128, CPU)
     select_backends(model, "auto", torch.float32, CPU)
     head = model.lm_head
     assert isinstance(head, QuantLinear) and (head.scheme, head.group_size) == (bt.scheme, bt.group)

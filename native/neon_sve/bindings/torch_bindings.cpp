@@ -368,7 +368,8 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
                            const std::vector<int64_t>& windows, const torch::Tensor& final_norm_w, double eps, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t intermediate, double scale, const torch::Tensor& cos_sin,
                            const torch::Tensor& slot_mapping, const torch::Tensor& block_table,
-                           const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc) {
+                           const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
+                           int64_t allreduce_fn, int64_t allreduce_handle) {
   TORCH_CHECK(!layers.empty() && layers.size() % kLayerEntries == 0, "llama_layers: ", kLayerEntries,
               " tensors per layer, got ", layers.size());
   const size_t L = layers.size() / kLayerEntries;
@@ -424,6 +425,23 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
     rms_norm(xc, w, eps, out);
     return out;
   };
+  // Tensor parallel: the row-parallel o_proj and down_proj give each rank a partial sum, which
+  // allreduce_fn (an ``int fn(void* handle, void* data, size_t n, int dtype, char* err, size_t errlen)``,
+  // the shared-memory all-reduce's C entry, appliance/distributed/shm_allreduce.py ShmSegment.c_entry)
+  // sums in place before the residual add, as appliance.layers.parallel.finish does on the per-op path.
+  // Passed as an address, so this extension has no link dependency on that library; 0: one rank.
+  using AllReduceFn = int (*)(void*, void*, size_t, int, char*, size_t);
+  const auto all_reduce = reinterpret_cast<AllReduceFn>(allreduce_fn);
+  auto reduce_ = [&](const torch::Tensor& y) {
+    if (!all_reduce) return;
+    TORCH_CHECK(y.is_contiguous(), "llama_layers: all-reduce of a non-contiguous tensor");
+    const int code = y.scalar_type() == torch::kFloat32 ? 0 : y.scalar_type() == torch::kBFloat16 ? 1 : -1;
+    TORCH_CHECK(code >= 0, "llama_layers: all-reduce takes float32 or bfloat16, got ", y.scalar_type());
+    char err[512] = {0};
+    if (all_reduce(reinterpret_cast<void*>(allreduce_handle), y.data_ptr(), size_t(y.numel()), code, err,
+                   sizeof err) != 0)
+      TORCH_CHECK(false, "llama_layers: ", err);
+  };
   torch::Tensor residual = embeds.contiguous().clone();
   torch::Tensor h = torch::empty_like(residual);
   rms_norm(residual, layers[0], eps, h);
@@ -451,6 +469,7 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
     auto attn = torch::empty({T, num_heads, head_dim}, qkv.options());
     paged_attention(qr, kc, vc, bt, sl, qsl, scale, attn, windows[l], 0.0);
     const auto o = linear(ki + kLinearInts, attn.view({T, q_size}), lin + kLinearEntries, hidden);
+    reduce_(o);
     auto hn = torch::empty_like(residual);
     fused_add_rms_norm(o, residual, p[3], eps, hn);
     torch::Tensor act;
@@ -463,6 +482,7 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
       silu_and_mul(gu, act);
     }
     h = linear(ki + 3 * kLinearInts, act, lin + 3 * kLinearEntries, hidden);
+    reduce_(h);
   }
   auto out = torch::empty_like(residual);
   fused_add_rms_norm(h, residual, final_norm_w, eps, out);
