@@ -228,6 +228,9 @@ class SpeculativeConfig:
     model: str | None = None
     disable_by_batch_size: int = 8
     min_acceptance_rate: float = 0.2
+    # vLLM's key: how the draft's weights run (one of QUANTIZATIONS); None: the target's. A float
+    # target drafted by its own GGUF run as "gguf" is a draft much cheaper than the target.
+    quantization: str | None = None
 
 
 def parse_speculative_config(value: dict | str) -> SpeculativeConfig:
@@ -268,6 +271,9 @@ def parse_speculative_config(value: dict | str) -> SpeculativeConfig:
     if method == "draft_model" and not cfg.model:
         raise InvalidRequestError(f"{name}.model is required with method draft_model, got {cfg.model!r}",
                                   f"{name}.model")
+    if cfg.quantization is not None and cfg.quantization not in QUANTIZATIONS:
+        raise InvalidRequestError(f"{name}.quantization must be one of {', '.join(QUANTIZATIONS)}; got "
+                                  f"{cfg.quantization!r}", f"{name}.quantization")
     if method == "ngram" and cfg.model is not None:
         raise InvalidRequestError(f"{name}.model applies to method draft_model only; got model={cfg.model!r} "
                                   f"with method ngram", f"{name}.model")

@@ -185,7 +185,14 @@ def latency(
 def spec(
     model: ModelOpt = None,
     draft: Annotated[Optional[str], Opt(help="Draft model (same tokenizer); 'truncate' builds one from the "
-                                              "target's first --draft-layers layers.")] = "truncate",
+                                              "target's first --draft-layers layers; 'self-gguf' is the default "
+                                              "model's GGUF file (pair it with --draft-quantization gguf).")]
+    = "truncate",
+    draft_quantization: Annotated[Optional[str], Opt(help="speculative_config.quantization: how the draft's "
+                                                          "weights run (none | w8a8 | w4a8 | gguf).")] = None,
+    llamacpp: Annotated[bool, Opt(help="Also llama.cpp's llama-server at batch 1 on the same prompts, on the "
+                                       "target's float32 GGUF, without and with --draft (a .gguf) as its -md.")]
+    = False,
     draft_layers: Annotated[int, Opt(help="Layers of the truncated draft.")] = 2,
     settings: Annotated[str, Opt(help="Comma-separated: none | ngram | draft.")] = "none,ngram,draft",
     workloads: Annotated[str, Opt(help="Comma-separated: edit | code | chat.")] = "edit,code,chat",
@@ -200,23 +207,40 @@ def spec(
     import tempfile
 
     from appliance.bench.common import new_record, parse_int_list
-    from appliance.bench.spec import format_row, make_truncated_draft, run_bench
+    from appliance.bench.spec import add_ratios, format_row, make_truncated_draft, run_bench
 
     kw = _engine_kwargs(dtype, None, None, None, None, None, num_threads, engine_arg)
     names = [x.strip() for x in settings.split(",") if x.strip()]
     if draft == "truncate" and "draft" in names:
         draft = make_truncated_draft(model, tempfile.mkdtemp(prefix="appliance-draft-"), draft_layers)
+    elif draft == "self-gguf":
+        from appliance.models.default_model import default_gguf_path
+
+        draft = str(default_gguf_path())
+    prompts: dict[str, list[int]] = {}
     try:
         levels = parse_int_list(concurrency)
         rows = run_bench(model, None if draft == "truncate" else draft, names,
                          [w.strip() for w in workloads.split(",") if w.strip()], levels, output_len,
-                         num_speculative_tokens, kw, log=lambda m: typer.echo(m, err=True))
+                         num_speculative_tokens, kw, log=lambda m: typer.echo(m, err=True),
+                         draft_quantization=draft_quantization, prompts_out=prompts)
+        if llamacpp:
+            import torch
+
+            from appliance.bench.spec import llamacpp_target_gguf, run_llamacpp
+
+            draft_gguf = draft if draft and draft.lower().endswith(".gguf") else None
+            rows += run_llamacpp(llamacpp_target_gguf(model), draft_gguf, prompts, output_len, num_speculative_tokens,
+                                 num_threads or torch.get_num_threads(), log=lambda m: typer.echo(m, err=True))
     except ValueError as e:
         _fail(str(e))
     for r in rows:
         typer.echo(format_row(r))
+    for line in add_ratios(rows):
+        typer.echo(line)
     if json_out is not None:
-        rec = new_record("spec", dict(model=model, draft=draft, output_len=output_len,
+        rec = new_record("spec", dict(model=model, draft=draft, draft_quantization=draft_quantization,
+                                      output_len=output_len,
                                       num_speculative_tokens=num_speculative_tokens, engine=kw), {"rows": rows})
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(rec, indent=2) + "\n")

@@ -187,7 +187,7 @@ def _http_json(url: str, body: dict | None = None, timeout: float = 600) -> tupl
 
 def llama_server_run(model: str | os.PathLike, threads: int, prompts: list[list[int]], gen_len: int,
                      parallel: int = 4, ctx: int = 4096, timeout: float = 600,
-                     version: str = LLAMA_CPP_PYTHON_VERSION) -> dict:
+                     version: str = LLAMA_CPP_PYTHON_VERSION, extra_args: list[str] | None = None) -> dict:
     """Start ``llama-server -m MODEL -t T -np PARALLEL -c CTX``, time it until ``/health`` answers 200
     (process start to ready: the load time), read its RSS (psutil), then send each prompt (token
     ids) alone to ``/completion`` (greedy, ``ignore_eos``, ``n_predict=gen_len``, no prompt cache)
@@ -198,7 +198,7 @@ def llama_server_run(model: str | os.PathLike, threads: int, prompts: list[list[
 
     port = _free_port()
     cmd = [str(tool("llama-server", version)), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "-t", str(threads), "-np", str(parallel), "-c", str(ctx), "--no-webui"]
+           "-t", str(threads), "-np", str(parallel), "-c", str(ctx), "--no-webui", *(extra_args or [])]
     log = build_dir(version) / "llama-server.log"
     with open(log, "w") as logf:
         t0 = time.perf_counter()
@@ -230,7 +230,9 @@ def llama_server_run(model: str | os.PathLike, threads: int, prompts: list[list[
                 runs.append({"wall_s": time.perf_counter() - t, "prompt_n": tm.get("prompt_n"),
                              "prompt_per_second": tm.get("prompt_per_second"), "predicted_n": tm.get("predicted_n"),
                              "predicted_per_second": tm.get("predicted_per_second"),
-                             "tokens_predicted": out.get("tokens_predicted")})
+                             "tokens_predicted": out.get("tokens_predicted"),
+                             # with a draft model (-md): drafts proposed and accepted
+                             "draft_n": tm.get("draft_n"), "draft_n_accepted": tm.get("draft_n_accepted")})
             rss_run = psutil.Process(proc.pid).memory_info().rss
         finally:
             import signal

@@ -1,11 +1,24 @@
 """Speculative decoding benchmark (``appliance bench spec``, ``bench/bench_spec.py``): decode tok/s
 of the offline engine with and without n-gram and draft-model speculation, on input-grounded
-prompts (edit a given text, complete code that repeats its own names) and open-ended chat, at
+prompts (edit a given text, complete a function in a given file) and open-ended chat, at
 concurrency 1 and 16, plus each setting's acceptance rate and mean accepted length.
 
 Decode tok/s per request is (output tokens - 1) / (time of the last token - time of the first), so
 the prompt's prefill is not in it; at concurrency C the figure is the mean over requests and the
 aggregate is all output tokens over the wall time. Greedy, so every setting emits the same tokens.
+At concurrency 1 each row also gives the target's step time by tokens in the step (``step_ms``: 1 is
+a decode step, 2..k+1 a verify chunk), so what a rejected draft costs is on the same line.
+
+Why the first results (bench/results/spec.txt, 28-32 tok/s without speculation) were far below the
+served figure (TPOT 9.9 ms, ~100 tok/s, compare_default_model.txt): bench/bench_spec.py called the CLI
+in-process without "bench" in argv, so it skipped the re-execution under the worker environment and ran
+on glibc malloc with unpinned OpenMP threads and the default loop schedule (spec.json records
+"allocator": "glibc malloc"); `appliance serve` and every `appliance bench` run mimalloc, OMP_PLACES,
+OMP_PROC_BIND=close and OMP_SCHEDULE=static. On a shared 2-core host, unpinned spinning OpenMP
+threads are the likely main cost; bench_spec.py now re-executes like `appliance bench spec`.
+
+``--llamacpp`` adds llama.cpp's llama-server at batch 1 on the same prompt token ids: the target as
+a float32 GGUF of the weights the appliance runs, without and with its draft (``-md``).
 """
 from __future__ import annotations
 
@@ -36,7 +49,12 @@ def moving_sum(values, window):
 WORKLOADS = {
     "edit": [{"role": "user", "content": "Rewrite this text with British spelling, changing nothing else:\n\n"
               + EDIT_TEXT}],
-    "code": CODE_TEXT,  # raw completion: the model continues the file
+    # Code completion as an instruct model is asked for it: complete a function and return the whole
+    # file. The earlier raw-text completion of CODE_TEXT made SmolLM2-135M-Instruct close the code
+    # block and write prose about it ("```\n\nThis implementation uses ..."), so there was little of
+    # the input to copy (n-gram acceptance 0.21); that measured the prompt, not the proposer.
+    "code": [{"role": "user", "content": "Complete `moving_sum` in this Python file and reply with the whole "
+              "file in one code block:\n\n" + CODE_TEXT}],
     "chat": [{"role": "user", "content": "Tell me a short story about a lighthouse keeper and a storm."}],
 }
 
@@ -58,20 +76,38 @@ def run_requests(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     first, last, counts = {}, {}, {}
+    # the target's step time by tokens scheduled (c=1: 1 is a plain decode step, 1 + k a verify
+    # chunk): what a rejected draft costs is the verify step's time over the decode step's
+    runner, step_times = eng.runner, {}
+    execute = runner.execute
+
+    def timed_execute(sched, *a, **kw):
+        t = time.perf_counter()
+        out = execute(sched, *a, **kw)
+        step_times.setdefault(sum(n for _, n in sched.scheduled), []).append(time.perf_counter() - t)
+        return out
+
+    runner.execute = timed_execute
     t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        eng.add_request(f"b{i}", p, sp)
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            now = time.perf_counter()
-            n = len(out.outputs[0].token_ids)
-            if n and out.request_id not in first:
-                first[out.request_id] = now
-            last[out.request_id], counts[out.request_id] = now, n
+    try:
+        for i, p in enumerate(prompts):
+            eng.add_request(f"b{i}", p, sp)
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                now = time.perf_counter()
+                n = len(out.outputs[0].token_ids)
+                if n and out.request_id not in first:
+                    first[out.request_id] = now
+                last[out.request_id], counts[out.request_id] = now, n
+    finally:
+        del runner.execute  # the bound method again
     wall = time.perf_counter() - t0
     rates = [(counts[r] - 1) / (last[r] - first[r]) for r in counts if counts[r] > 1 and last[r] > first[r]]
-    return {"decode_tok_s": statistics.mean(rates) if rates else 0.0,
-            "output_tok_s": sum(counts.values()) / wall, "wall_s": wall, "num_requests": len(prompts)}
+    res = {"decode_tok_s": statistics.mean(rates) if rates else 0.0,
+           "output_tok_s": sum(counts.values()) / wall, "wall_s": wall, "num_requests": len(prompts)}
+    if len(prompts) == 1:  # prompt chunks are larger than any verify chunk: 2..16 tokens are verify steps
+        res["step_ms"] = {n: 1e3 * statistics.median(ts) for n, ts in sorted(step_times.items()) if n <= 16}
+    return res
 
 
 def spec_counters(llm) -> dict:
@@ -80,7 +116,8 @@ def spec_counters(llm) -> dict:
 
 
 def run_bench(model: str | None, draft: str | None, settings: list[str], workloads: list[str],
-              concurrency: list[int], max_tokens: int, k: int, engine_kwargs: dict, log=print) -> list[dict]:
+              concurrency: list[int], max_tokens: int, k: int, engine_kwargs: dict, log=print,
+              draft_quantization: str | None = None, prompts_out: dict | None = None) -> list[dict]:
     """One row per (setting, workload, concurrency). ``settings``: none | ngram | draft."""
     from appliance import LLM
 
@@ -95,6 +132,8 @@ def run_bench(model: str | None, draft: str | None, settings: list[str], workloa
                 log("draft: skipped (no --draft model given)")
                 continue
             kw["speculative_config"] = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+            if draft_quantization is not None:
+                kw["speculative_config"]["quantization"] = draft_quantization
         elif setting != "none":
             raise ValueError(f"setting must be none, ngram or draft; got {setting!r}")
         llm = LLM(model, **kw)
@@ -102,6 +141,8 @@ def run_bench(model: str | None, draft: str | None, settings: list[str], workloa
         run_requests(llm, [prompt_ids(llm, workloads[0])], 4)  # warm-up: first calls of each shape are slow
         for w in workloads:
             ids = prompt_ids(llm, w)
+            if prompts_out is not None:
+                prompts_out[w] = ids
             for c in concurrency:
                 before = spec_counters(llm)
                 res = run_requests(llm, [ids] * c, max_tokens)
@@ -117,20 +158,90 @@ def run_bench(model: str | None, draft: str | None, settings: list[str], workloa
                 ref_tokens[(w, c)] = res
                 log(format_row(row))
         del llm
-    base = {(r["workload"], r["concurrency"]): r for r in rows if r["setting"] == "none"}
-    for r in rows:
-        b = base.get((r["workload"], r["concurrency"]))
-        if b and b["decode_tok_s"]:
-            r["speedup"] = r["decode_tok_s"] / b["decode_tok_s"]
+    add_ratios(rows)
     return rows
+
+
+def run_llamacpp(target_gguf: str, draft_gguf: str | None, prompts: dict[str, list[int]], max_tokens: int,
+                 k: int, threads: int, log=print) -> list[dict]:
+    """llama.cpp's llama-server at batch 1 (``-np 1``) on the same prompts (token ids), greedy,
+    without and (``draft_gguf``) with its draft model (``--spec-type draft-simple -md DRAFT
+    --spec-draft-n-max K --spec-draft-n-min 0``: this llama.cpp build removed ``--draft-max``);
+    decode tok/s is the server's own ``predicted_per_second`` (prompt processing not in it), and
+    acceptance its ``draft_n_accepted / draft_n``. Rows as ``run_bench``'s, settings ``llama.cpp``
+    and ``llama.cpp+draft``."""
+    from appliance.bench import llamacpp
+
+    if not llamacpp.is_built():
+        log("llama.cpp: skipped (not built: bench/bench_gguf.py --build-llamacpp-only)")
+        return []
+    rows = []
+    setups = [("llama.cpp", [])]
+    if draft_gguf:
+        setups.append(("llama.cpp+draft", ["--spec-type", "draft-simple", "-md", str(draft_gguf),
+                                           "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0",
+                                           "-td", str(threads)]))
+    names = list(prompts)
+    for setting, extra in setups:
+        res = llamacpp.llama_server_run(target_gguf, threads, [prompts[w] for w in names], max_tokens, parallel=1,
+                                        extra_args=extra)
+        for w, run in zip(names, res["runs"]):
+            row = {"setting": setting, "workload": w, "concurrency": 1, "prompt_tokens": len(prompts[w]),
+                   "decode_tok_s": run["predicted_per_second"] or 0.0, "output_tok_s": (run["predicted_n"] or 0)
+                   / run["wall_s"], "wall_s": run["wall_s"], "num_requests": 1, "command": res["command"]}
+            if run.get("draft_n"):
+                row.update(acceptance_rate=run["draft_n_accepted"] / run["draft_n"])
+            rows.append(row)
+            log(format_row(row))
+    return rows
+
+
+def llamacpp_target_gguf(model: str | None) -> str:
+    """The target as llama.cpp reads it, with the weights the appliance runs: the float32 GGUF of
+    the model's HF-layout form (a GGUF target is dequantized to it, as the appliance loads it)."""
+    from appliance.bench.gguf_export import cached_gguf
+    from appliance.models.default_model import converted_model_dir, resolve_model_source
+
+    src = resolve_model_source(model)
+    return str(cached_gguf(converted_model_dir(src) if src.is_file() else src, "float32"))
+
+
+def add_ratios(rows: list[dict]) -> list[str]:
+    """Each row's speedup over its own engine's row without speculation (appliance: ``none``;
+    llama.cpp: ``llama.cpp``), and per workload at concurrency 1 a line with the best setting of
+    each and their ratio."""
+    base = {}
+    for r in rows:
+        if r["setting"] in ("none", "llama.cpp"):
+            base[(r["setting"] == "none", r["workload"], r["concurrency"])] = r["decode_tok_s"]
+    for r in rows:
+        b = base.get((not r["setting"].startswith("llama.cpp"), r["workload"], r["concurrency"]))
+        if b:
+            r["speedup"] = r["decode_tok_s"] / b
+    lines = []
+    for w in dict.fromkeys(r["workload"] for r in rows):
+        c1 = [r for r in rows if r["workload"] == w and r["concurrency"] == 1]
+        ours = max((r for r in c1 if not r["setting"].startswith("llama.cpp")), key=lambda r: r["decode_tok_s"],
+                   default=None)
+        theirs = max((r for r in c1 if r["setting"].startswith("llama.cpp")), key=lambda r: r["decode_tok_s"],
+                     default=None)
+        if ours and theirs and theirs["decode_tok_s"]:
+            lines.append(f"{w:5} c=1 best: appliance {ours['setting']} {ours['decode_tok_s']:.1f} tok/s vs "
+                         f"{theirs['setting']} {theirs['decode_tok_s']:.1f} tok/s: "
+                         f"{ours['decode_tok_s'] / theirs['decode_tok_s']:.2f}x")
+    return lines
 
 
 def format_row(r: dict) -> str:
     acc = f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else "-"
     mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
     sp = f"{r['speedup']:.2f}x" if "speedup" in r else ""
-    return (f"{r['setting']:6} {r['workload']:5} c={r['concurrency']:<3} decode {r['decode_tok_s']:8.1f} tok/s/req  "
-            f"aggregate {r['output_tok_s']:8.1f} tok/s  acceptance {acc:>5}  mean accepted length {mal:>5} {sp}")
+    steps = r.get("step_ms") or {}
+    # the target's step time by tokens in the step, relative to a 1-token decode step
+    cost = "  step " + " ".join(f"{n}:{t:.1f}ms" + (f"({t / steps[1]:.2f}x)" if n > 1 and 1 in steps else "")
+                                for n, t in steps.items()) if steps else ""
+    return (f"{r['setting']:15} {r['workload']:5} c={r['concurrency']:<3} decode {r['decode_tok_s']:8.1f} tok/s/req  "
+            f"aggregate {r['output_tok_s']:8.1f} tok/s  acceptance {acc:>5}  mean accepted length {mal:>5} {sp}{cost}")
 
 
 def make_truncated_draft(target_gguf_or_dir: str, out_dir: str, num_layers: int = 2) -> str:

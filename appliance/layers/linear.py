@@ -269,8 +269,12 @@ def _choice_cache_path():
     return cache_dir() / "linear_backends.json"
 
 
-def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device: torch.device) -> dict[str, str]:
+def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device: torch.device,
+                    extra_rows: tuple[int, ...] = ()) -> dict[str, str]:
     """Give every linear layer of ``model`` a backend; returns ``{shape key: backend}`` for the banner/doctor.
+
+    ``extra_rows``: batch sizes timed besides ``_PROBE_ROWS`` (speculative decoding's 1 + k verify
+    chunk; its choices are cached apart from the plain ones).
 
     ``requested`` is ``auto`` (measure the valid candidates per shape, cached per host) or one backend
     name, which every layer that can run it gets; other layers (the float ``lm_head`` of a quantized
@@ -289,6 +293,8 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
                                   "linear_backend")
     choices: dict[str, str] = {}
     cache, dirty, host = None, False, None
+    rows = tuple(sorted(set(_PROBE_ROWS) | set(extra_rows)))
+    rows_key = "" if rows == _PROBE_ROWS else f"|rows{'-'.join(map(str, rows))}"
     for m in layers:
         key, rows = _choice_key(m)
         if key in choices:
@@ -314,7 +320,7 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
             except (OSError, json.JSONDecodeError):
                 cache = {}
             host = f"{detect().model_name}|{isa_caps()}|{torch.__version__}|{torch.get_num_threads()}t|{dtype!s}"
-        ckey = f"{host}|{key}"
+        ckey = f"{host}{rows_key}|{key}"
         if ckey not in cache or cache[ckey] not in cands:
             times = m.measure(cands, rows, _time)
             cache[ckey] = min(times, key=times.get)

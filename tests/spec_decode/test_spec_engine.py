@@ -232,3 +232,19 @@ def test_ngram_on_a_fully_windowed_model(tiny_model_dir):
     got = run_engine(engine, ids, GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert engine.spec.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_draft_quantized_apart_from_the_target(llama_dir, reference):
+    """speculative_config.quantization: the target itself as its own draft, quantized to W8A8 while
+    the target stays float32. The draft's layers run the quantized scheme, the target's do not, the
+    tokens equal those without speculation, and the near-identical draft is mostly accepted."""
+    ids, ref = reference
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=512, speculative_config={
+        "method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3, "quantization": "w8a8"}))
+    schemes = lambda runner: {getattr(m, "scheme", "float") for m in runner.model.modules()  # noqa: E731
+                              if hasattr(m, "in_features") and hasattr(m, "backend")}
+    assert "w8a8" in " ".join(schemes(engine.spec.draft.runner)), schemes(engine.spec.draft.runner)
+    assert schemes(engine.runner) == {"float"}, schemes(engine.runner)
+    got = run_engine(engine, ids, GREEDY)
+    assert [o.token_ids for o in got] == ref
+    assert engine.spec.stats()["spec_decode_acceptance_rate"] > 0.5

@@ -39,9 +39,9 @@ def test_pause_doubles_while_acceptance_stays_low_and_resets_after_a_good_step()
     from appliance.engine.spec_decode import MAX_PAUSE_STEPS, PAUSE_STEPS, SpecDecoder
 
     dec = SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0, num_accepted_per_pos=[0] * 3,
-                          config=SimpleNamespace(min_acceptance_rate=0.2))
+                          config=SimpleNamespace(min_acceptance_rate=0.2), k=3)
     req = SimpleNamespace(spec_acceptance=1.0, spec_pause_len=0, spec_paused_steps=0, spec_num_computed=0,
-                          num_computed_tokens=0)
+                          num_computed_tokens=0, spec_k=0)
 
     def bad_until_paused():
         req.spec_paused_steps = 0  # the previous pause has run out

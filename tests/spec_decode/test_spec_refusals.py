@@ -27,6 +27,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
     ({**NGRAM, "min_acceptance_rate": 1.5}, "speculative_config.min_acceptance_rate", ["1.5"]),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model", ["required"]),
     ({**NGRAM, "model": "/x"}, "speculative_config.model", ["'/x'", "ngram"]),
+    ({"model": "/d", "num_speculative_tokens": 2, "quantization": "int3"}, "speculative_config.quantization",
+     ["'int3'", "gguf"]),
     ("{not json", "speculative_config", ["not valid JSON"]),
 ])
 def test_bad_config_refused_before_loading(cfg, param, words):

@@ -41,3 +41,37 @@ def test_rounds_are_interleaved_and_keep_each_best():
     cost = linear.relative_cost(fns, timer)
     assert calls == [("A", 8), ("B", 8)] * r
     assert cost == {"A": 1.0, "B": 1.0}
+
+
+def test_speculative_verify_rows_are_timed_and_cached_apart(tmp_path, monkeypatch):
+    """``extra_rows`` (speculative decoding's 1 + k chunk) joins the probe batch sizes, and its choice
+    is cached under its own key, so a plain engine's cached choice is neither reused nor overwritten."""
+    import json
+
+    import torch
+    from torch import nn
+
+    monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(tmp_path))
+    seen = []
+
+    def measure(self, cands, rows, timer):
+        seen.append(tuple(rows))
+        # the last candidate wins when the verify size is timed, the first otherwise
+        return {c: (-i if 4 in rows else i) for i, c in enumerate(cands)}
+
+    monkeypatch.setattr(linear.Linear, "measure", measure)
+    lin = linear.Linear(64, 32)
+    cands = lin.candidates(torch.float32, torch.device("cpu"))
+    if len(cands) < 2:
+        import pytest
+
+        pytest.skip(f"one float backend on this host ({cands}): nothing is measured")
+    linear.select_backends(nn.Sequential(lin), "auto", torch.float32, torch.device("cpu"))
+    plain = lin.backend
+    linear.select_backends(nn.Sequential(lin), "auto", torch.float32, torch.device("cpu"), (4,))
+    assert seen == [linear._PROBE_ROWS, tuple(sorted({*linear._PROBE_ROWS, 4}))]
+    assert (plain, lin.backend) == (cands[0], cands[-1])
+    cache = json.loads((tmp_path / "linear_backends.json").read_text())
+    rows_key = "|rows" + "-".join(map(str, sorted({*linear._PROBE_ROWS, 4}))) + "|"
+    assert sorted(v for k, v in cache.items() if rows_key in k) == [cands[-1]]
+    assert sorted(v for k, v in cache.items() if rows_key not in k) == [cands[0]]

@@ -38,6 +38,17 @@ MAX_PAUSE_STEPS = 256
 RESUME_RATE = 0.5
 
 
+def next_draft_length(current: int, k: int, num_drafts: int, num_accepted: int) -> int:
+    """A request's draft length for its next speculating step, from the one just verified: all
+    drafts accepted, one more than were proposed (up to ``k``), since the text it follows goes on;
+    a draft rejected at position ``a``, ``a + 1``: the run it followed ended there, and the next
+    step tries one past it. Drafts that turn out wrong then cost a short verify chunk, while a
+    request that keeps copying its input grows back to ``k`` by one token per step."""
+    if num_accepted >= num_drafts:
+        return min(k, max(current, num_drafts) + 1)
+    return min(k, num_accepted + 1)
+
+
 class _Ahead:
     """A request as seen from a later verification position: its earlier drafts appended, so that
     penalties and min_tokens apply to the target distribution at that position as they would have
@@ -118,8 +129,9 @@ class SpecDecoder:
             if r.spec_paused_steps > 0:
                 r.spec_paused_steps -= 1
                 continue
-            # a verified step emits up to k + 1 tokens: no drafts past max_tokens
-            k = min(self.k, r.max_tokens - r.num_output_tokens - 1)
+            # a verified step emits up to k + 1 tokens: no drafts past max_tokens; the request's own
+            # draft length (adaptive, see record) when it has one
+            k = min(r.spec_k or self.k, r.max_tokens - r.num_output_tokens - 1)
             if k < 1:
                 continue
             if self.draft is None:
@@ -193,6 +205,7 @@ class SpecDecoder:
             req.spec_acceptance = RESUME_RATE
         elif 2 * num_accepted >= num_drafts:
             req.spec_pause_len = 0  # a good step: the next pause starts short again
+        req.spec_k = next_draft_length(req.spec_k or self.k, self.k, num_drafts, num_accepted)
         # the draft model's cache holds valid KV only up to the verified tokens
         req.spec_num_computed = min(req.spec_num_computed, req.num_computed_tokens)
 

@@ -70,7 +70,7 @@ class DraftModelProposer:
             raise ModelLoadError(f"{field}={spec.model!r}: its tokenizer differs from the target's "
                                  f"({len(draft_tok.get_vocab())} vs {len(tokenizer.get_vocab())} tokens, or other ids); "
                                  f"a draft must share the target's tokenizer")
-        quant = config.quantization
+        quant = spec.quantization if spec.quantization is not None else config.quantization
         if quant == "gguf" and not (path.is_file() and path.suffix.lower() == ".gguf"):
             quant = "none"
         draft_config = config.replace(model=str(path), num_kv_blocks=target_runner.num_blocks, quantization=quant)
