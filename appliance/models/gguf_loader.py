@@ -697,6 +697,11 @@ class GGUFSource:
         self.plan = list(_tensor_plan(self.reader, self.meta, config, self.path))
         self.keep, self.float_from = tuple(keep), float_from
         self.norm_shift = _NORM_SHIFT.get(self.meta["general.architecture"], 0.0)
+        self._types = {hf: t.tensor_type.name for t, hf, _, _ in self.plan}  # kept past close()
+
+    def stored_format(self, hf_name: str) -> str | None:
+        """The GGUF type tensor ``hf_name`` is stored as (Q4_K, Q6_K, F16, ...)."""
+        return self._types.get(hf_name)
 
     def close(self) -> None:
         """Drop the reader once the weights are loaded: its memmap's pages (the file read once over)
