@@ -91,7 +91,8 @@ def _method(name: str, mod: nn.Module) -> str:
 
 
 def weight_groups(model: nn.Module) -> list[WeightGroup]:
-    """One row per (role, stored format, method) over every module holding weights, in model order."""
+    """One row per (role, stored format, method) over every module holding weights: embedding, qkv, o,
+    gate_up, down, lm_head, then the rest; within a role in model order."""
     seen: set = set()
     rows: dict[tuple[str, str, str], list[int]] = {}
     # a tied lm_head is stored as its embedding (appliance.layers.vocab.tied_lm_head)
@@ -112,7 +113,13 @@ def weight_groups(model: nn.Module) -> list[WeightGroup]:
         row = rows.setdefault((_role(name), stored, _method(name, mod)), [0, 0])
         row[0] += 1
         row[1] += nbytes
-    return [WeightGroup(r, s, m, n, b) for (r, s, m), (n, b) in rows.items()]
+    order = {r: i for i, r in enumerate(("embedding", "qkv", "o", "gate_up", "down", "lm_head"))}
+
+    def rank(key):  # a decoder's order, experts after their dense kind, the rest last; stable within
+        role = key[0].removeprefix("expert ")
+        return order.get(role, len(order)) + (0.5 if key[0].startswith("expert ") else 0)
+
+    return [WeightGroup(r, s, m, n, b) for (r, s, m), (n, b) in sorted(rows.items(), key=lambda kv: rank(kv[0]))]
 
 
 def total_bytes(groups: list[WeightGroup]) -> int:
