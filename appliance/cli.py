@@ -307,12 +307,17 @@ def convert(
 
 
 @app.command()
-def doctor(json: Annotated[bool, Opt("--json", help="Print the report as JSON (schema in appliance.doctor).")] = False):
+def doctor(json: Annotated[bool, Opt("--json", help="Print the report as JSON (schema in appliance.doctor).")] = False,
+           model: Annotated[Optional[str], Opt("--model", help="Also load this model (a directory or .gguf "
+                                               "file) and show, per layer group, its stored format, the method "
+                                               "it runs with and the resident weight memory.")] = None,
+           quantization: Annotated[str, Opt("--quantization", help="With --model: as `serve --quantization`.")]
+           = "none"):
     """Report what this host and process give the engine (CPU, torch build, kernels, allocator, libgomp,
     OpenMP) and how to fix each problem."""
     from appliance.doctor import run_doctor
 
-    raise typer.Exit(run_doctor(json=json))
+    raise typer.Exit(run_doctor(json=json, model=model, quantization=quantization))
 
 
 from appliance.bench.cli import bench_app  # noqa: E402  (imports nothing heavy at start-up)

@@ -401,6 +401,27 @@ def _problems(r: dict) -> list[dict]:
     return P
 
 
+# ``doctor --model``: the loaded model's weights per layer group (appliance.layers.weight_report);
+# absent from the report without --model
+SCHEMA["properties"]["model_weights"] = _obj({
+    "model": _S, "quantization": _S,
+    "groups": {"type": "array", "items": _obj({"role": _S, "stored": _S, "method": _S, "layers": _I, "bytes": _I})},
+    "total_bytes": _I,
+})
+
+
+def model_weights(model: str, quantization: str = "none") -> dict:
+    """Load ``model`` as ``appliance serve`` would (with ``quantization``; a small KV cache) and report
+    its weights per layer group: stored format, method, layers, resident bytes."""
+    from appliance import LLM
+    from appliance.layers.weight_report import as_dicts, total_bytes, weight_groups
+
+    llm = LLM(model, quantization=quantization, num_kv_blocks=16, enable_prefix_caching=False)
+    groups = weight_groups(llm.engine.runner.model)
+    return {"model": str(model), "quantization": quantization, "groups": as_dicts(groups),
+            "total_bytes": total_bytes(groups)}
+
+
 def doctor_report() -> dict:
     """Everything ``appliance doctor`` knows, as a JSON-safe dict that validates against SCHEMA."""
     r = {"schema_version": 1, "cpu": _cpu(), "cores": _cores(), "memory": _memory(), "torch": _torch(),
@@ -411,10 +432,19 @@ def doctor_report() -> dict:
     return r
 
 
-def run_doctor(json: bool = False) -> int:
+def run_doctor(json: bool = False, model: str | None = None, quantization: str = "none") -> int:
     """Print the report (a rich table, or JSON with ``json=True``). Returns the exit code: 1 when a
-    problem of severity ``error`` was found, else 0."""
+    problem of severity ``error`` was found, else 0. ``model``: also load it (with ``quantization``)
+    and report its weights per layer group; a model that does not load is an error problem."""
     r = doctor_report()
+    if model is not None:
+        from appliance.errors import ApplianceError
+
+        try:
+            r["model_weights"] = model_weights(model, quantization)
+        except (ApplianceError, ValueError, OSError) as e:
+            r["problems"].append({"severity": "error", "what": f"--model {model} does not load: {e}",
+                                  "fix": "check the path and --quantization (appliance serve gives the same error)"})
     rc = 1 if any(p["severity"] == "error" for p in r["problems"]) else 0
     if json:
         import json as _json
@@ -468,6 +498,14 @@ def run_doctor(json: bool = False) -> int:
         f"rank {x['rank']}: CPUs {x['cpus']}" + (f" on node {x['numa_node']}" if x["numa_node"] is not None else "")
         + (", memory bound" if x["bind_memory"] else "") for x in rk["auto_2_ranks"]))
         + f"\n{rk['numa_nodes']} NUMA node(s); memory binding: {rk['memory_binding']}")
+    if "model_weights" in r:
+        from rich.markup import escape
+
+        from appliance.layers.weight_report import format_groups
+
+        mw = r["model_weights"]
+        tab.add_row("model weights", f"{mw['model']} (quantization {mw['quantization']})\n"
+                    + escape(format_groups(mw["groups"])))
     con = Console()
     con.print(tab)
     if not r["problems"]:

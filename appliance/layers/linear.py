@@ -190,6 +190,11 @@ def _evict_caches() -> None:
 
 
 _ROUNDS = 3  # interleaved rounds of timing per (candidate, batch size)
+# After the first round, a candidate scoring more than this many times the best score is not timed
+# again: timing noise on a shared host is far below 3x, so it cannot win. What this saves is the
+# slow references (x86's w4a8_dynquant is ~20x slower at 32 and 256 rows: ~2 s a call at 896x4864,
+# two thirds of a cold GGUF load's timing).
+_HOPELESS = 3.0
 
 
 def relative_cost(fns: dict[str, dict[int, object]], timer) -> dict[str, float]:
@@ -201,11 +206,20 @@ def relative_cost(fns: dict[str, dict[int, object]], timer) -> dict[str, float]:
     steps, where most of the time goes, differ most. Lower is better; the fastest everywhere scores
     ``len(rows)``."""
     best: dict[str, dict[int, float]] = {c: {} for c in fns}
-    for _ in range(_ROUNDS):
-        for c, per in fns.items():
+    timed = dict(fns)
+    for i in range(_ROUNDS):
+        for c, per in timed.items():
             for m, f in per.items():
                 t = timer(f)
                 best[c][m] = min(best[c].get(m, float("inf")), t)
+        if i == 0 and len(timed) > 1:
+            cost = _scores(best)
+            low = min(cost.values())
+            timed = {c: per for c, per in timed.items() if cost[c] <= _HOPELESS * low}
+    return _scores(best)
+
+
+def _scores(best: dict[str, dict[int, float]]) -> dict[str, float]:
     sizes = {m for per in best.values() for m in per}
     ref = {m: min(best[c][m] for c in best if m in best[c]) for m in sizes}
     return {c: sum(t / max(ref[m], 1e-12) for m, t in per.items()) for c, per in best.items()}
@@ -320,7 +334,8 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
             except (OSError, json.JSONDecodeError):
                 cache = {}
             host = f"{detect().model_name}|{isa_caps()}|{torch.__version__}|{torch.get_num_threads()}t|{dtype!s}"
-        ckey = f"{host}{rows_key}|{key}"
+        # the candidates timed are part of the key: a method added or withdrawn here is timed anew
+        ckey = f"{host}{rows_key}|{key}|{'+'.join(sorted(cands))}"
         if ckey not in cache or cache[ckey] not in cands:
             times = m.measure(cands, rows, _time)
             cache[ckey] = min(times, key=times.get)

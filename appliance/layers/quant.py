@@ -183,6 +183,8 @@ class QuantLinear(LinearBase):
         from appliance.layers.parallel import inherit
 
         inherit(q, lin)  # a rank's part quantized as it is (its sizes are the part's already)
+        if "stored_formats" in lin.__dict__:  # what the checkpoint held (appliance.layers.weight_report)
+            q.__dict__["stored_formats"] = dict(lin.__dict__["stored_formats"])
         if scheme == "w8a8":
             q.qweight.data, q.weight_scale.data = quantize_int8(w)
         else:

@@ -104,6 +104,12 @@ class AwqGptqSource(SafetensorsSource):
         return {n[: -len(".qweight")] + ".weight": ("w4a8", self.spec.group_size)
                 for n in self.keys() if n.endswith(".qweight")}
 
+    def stored_format(self, name: str) -> str | None:
+        """"AWQ-int4" / "GPTQ-int4" for a packed layer's weight (float tensors: their dtype)."""
+        if "_packed" not in self.__dict__:  # keys() opens every file: once
+            self.__dict__["_packed"] = set(self.quantized_layers())
+        return f"{self.spec.method.upper()}-int4" if name in self.__dict__["_packed"] else None
+
     def weights(self, wants_quantized=lambda name: True, skip=lambda name: False):
         with self.open_all() as where:
             layers = {n[: -len(".qweight")] for n in where if n.endswith(".qweight")}

@@ -289,6 +289,7 @@ def load_weights(model: torch.nn.Module, source, architecture: str = "") -> None
     ``weight_loader``, else ``default_weight_loader``), then a check that every parameter (and every
     shard of a fused one) got one. Raises ModelLoadError naming the file and the tensor."""
     from appliance.layers.weight_loading import WeightLoadError, default_weight_loader
+    from appliance.layers.weight_report import note_stored_format, stored_format_of
 
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {}
@@ -306,6 +307,7 @@ def load_weights(model: torch.nn.Module, source, architecture: str = "") -> None
         except AttributeError:
             return False
 
+    stored_format = getattr(source, "stored_format", lambda name: None)  # a GGUF's tensor types, AWQ/GPTQ
     split = getattr(model, "split_checkpoint_tensor", None)  # one checkpoint tensor -> several (MoE 3-D experts)
     ignored = getattr(model, "ignored_weight", lambda name: False)  # e.g. a multimodal checkpoint's vision tower
     for f, name, value in _split_all(source.weights(wants_quantized), split):
@@ -328,6 +330,8 @@ def load_weights(model: torch.nn.Module, source, architecture: str = "") -> None
         except WeightLoadError as e:
             raise ModelLoadError(f"{f}: tensor {name!r} {e} (from the model's config)") from e
         loaded.setdefault(pname, set()).add(shard)
+        if not name.endswith(".bias"):  # for doctor and the banner (appliance.layers.weight_report)
+            note_stored_format(mod, stored_format(name) or stored_format_of(value))
     check_complete(model, params, loaded, source.path)
 
 

@@ -131,6 +131,14 @@ def engine_stats(engine) -> dict:
     }
 
 
+def _weight_groups(runner) -> list[dict]:
+    """Per layer group: stored format, method, layers, resident bytes (``appliance.layers.weight_report``)."""
+    from appliance.layers.weight_report import as_dicts, weight_groups
+
+    model = getattr(runner, "model", None)
+    return as_dicts(weight_groups(model)) if model is not None else []
+
+
 def engine_info(engine) -> dict:
     runner = engine.runner
     ops = getattr(runner, "ops", None)
@@ -142,6 +150,7 @@ def engine_info(engine) -> dict:
         "dtype": str(engine.dtype).replace("torch.", ""),
         "kernels": kernels,
         "linear": getattr(runner, "linear_groups", {}),
+        "weights": _weight_groups(runner),
         "num_kv_blocks": runner.num_blocks,
         "block_size": engine.config.block_size,
         "kv_sliding_window": engine.kv.sliding_window,

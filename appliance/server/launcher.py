@@ -171,6 +171,12 @@ def print_banner(engine_config: EngineConfig, server: ServerConfig, names: list[
     t.add_row("kernels", f"{info['kernels']}  [dim]({info['num_threads']} threads)[/]")
     if info.get("linear"):
         t.add_row("linear", ", ".join(f"{g} {b}" for g, b in info["linear"].items()))
+    if info.get("weights"):
+        from rich.markup import escape
+
+        from appliance.layers.weight_report import format_groups
+
+        t.add_row("weights", escape(format_groups(info["weights"])))
     t.add_row("cpu", f"{cpu.model_name} [dim]{cpu.arch} {' '.join(feats)}[/]")
     t.add_row("KV cache", f"{info['num_kv_blocks']} blocks x {info['block_size']} tokens = "
                           f"{info['num_kv_blocks'] * info['block_size']} tokens ({info['kv_cache_gib']:.2f} GiB), "

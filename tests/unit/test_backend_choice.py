@@ -75,3 +75,26 @@ def test_speculative_verify_rows_are_timed_and_cached_apart(tmp_path, monkeypatc
     rows_key = "|rows" + "-".join(map(str, sorted({*linear._PROBE_ROWS, 4}))) + "|"
     assert sorted(v for k, v in cache.items() if rows_key in k) == [cands[-1]]
     assert sorted(v for k, v in cache.items() if rows_key not in k) == [cands[0]]
+
+
+def test_a_hopeless_candidate_is_timed_one_round_only():
+    # C scores 3 + 20 after the first round against A's 1 + 1 (more than _HOPELESS times it): it
+    # cannot win, and its slow calls are not repeated; A and B (within 3x) get every round.
+    r = linear._ROUNDS
+    calls = []
+    fns, timer = _fake({("A", 1): [1.0] * r, ("A", 256): [10.0] * r,
+                        ("B", 1): [2.0] * r, ("B", 256): [12.0] * r,
+                        ("C", 1): [3.0], ("C", 256): [200.0]}, calls)
+    cost = linear.relative_cost(fns, timer)
+    assert calls.count(("C", 256)) == 1 and calls.count(("C", 1)) == 1
+    assert calls.count(("A", 256)) == r and calls.count(("B", 1)) == r
+    assert min(cost, key=cost.get) == "A" and cost["C"] > linear._HOPELESS * cost["A"]
+
+
+def test_a_candidate_within_the_margin_keeps_every_round():
+    # B is 2.5x slower in the first round (a noisy moment) and fastest afterwards: it is kept and wins
+    r = linear._ROUNDS
+    calls = []
+    fns, timer = _fake({("A", 8): [1.0] * r, ("B", 8): [2.5] + [0.5] * (r - 1)}, calls)
+    cost = linear.relative_cost(fns, timer)
+    assert calls.count(("B", 8)) == r and min(cost, key=cost.get) == "B"
