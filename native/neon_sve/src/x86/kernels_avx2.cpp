@@ -82,13 +82,42 @@ static inline void qk_rows(const float* q, const KT* K, int n, int D, float* s, 
   }
 }
 
+// Three query rows over quantized codes: each converted key vector feeds the three rows at once.
+// 12 accumulators + 3 query vectors + 1 key are the 16 ymm registers (qk_rows<3> keeps 4 keys live
+// and spills an accumulator, a store-load chain through memory in the inner loop).
+template <class KT>
+static inline void qk_rows3(const float* q, const KT* K, int n, int D, float* s, int lds) {
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const KT* k = K + (int64_t)j * D;
+    __m256 a0[4], a1[4], a2[4];
+    for (int i = 0; i < 4; ++i) a0[i] = a1[i] = a2[i] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+      const __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + D + d), q2 = _mm256_loadu_ps(q + 2 * D + d);
+      for (int i = 0; i < 4; ++i) {
+        const __m256 kv = load8(k + (int64_t)i * D + d);
+        a0[i] = _mm256_fmadd_ps(q0, kv, a0[i]);
+        a1[i] = _mm256_fmadd_ps(q1, kv, a1[i]);
+        a2[i] = _mm256_fmadd_ps(q2, kv, a2[i]);
+      }
+    }
+    _mm_storeu_ps(s + j, hsum4(a0[0], a0[1], a0[2], a0[3]));
+    _mm_storeu_ps(s + lds + j, hsum4(a1[0], a1[1], a1[2], a1[3]));
+    _mm_storeu_ps(s + 2 * (int64_t)lds + j, hsum4(a2[0], a2[1], a2[2], a2[3]));
+  }
+  if (j < n) {  // the last n % 4 keys
+    qk_rows<1>(q, K + (int64_t)j * D, n - j, D, s + j, lds);
+    qk_rows<2>(q + D, K + (int64_t)j * D, n - j, D, s + lds + j, lds);
+  }
+}
+
 template <class KT>
 static void qk_tile(const float* Q, const void*, int M, const KT* K, int n, int D, float* S,
                     int lds) {
   int r = 0;
   // a code load is 2-9 instructions: three rows share each (the default model's GQA group is 3)
   if constexpr (KvQuant<KT>::value)
-    for (; r + 3 <= M; r += 3) qk_rows<3>(Q + (int64_t)r * D, K, n, D, S + (int64_t)r * lds, lds);
+    for (; r + 3 <= M; r += 3) qk_rows3(Q + (int64_t)r * D, K, n, D, S + (int64_t)r * lds, lds);
   for (; r + 2 <= M; r += 2) qk_rows<2>(Q + (int64_t)r * D, K, n, D, S + (int64_t)r * lds, lds);
   for (; r < M; ++r) qk_rows<1>(Q + (int64_t)r * D, K, n, D, S + (int64_t)r * lds, lds);
 }
@@ -124,15 +153,36 @@ static inline void pv_rows(float* A, const float* P, int lds, const KT* V, int n
   }
 }
 
-// pv_rows over 16 dims at a time: 2R accumulators, so up to 4 rows share each (converted) code load.
+// pv_rows over 16 dims at a time, up to 3 rows sharing each (converted) code load; even and odd
+// tokens go to two sets of accumulators (4R of them), so that the FMA latency does not bound the
+// loop (one set of 2R chains waits 4 cycles per token).
 template <int R, class KT>
 static inline void pv_rows16(float* A, const float* P, int lds, const KT* V, int n, int D) {
   int d = 0;
   for (; d + 16 <= D; d += 16) {
-    __m256 acc[R][2];
+    __m256 acc[R][2], alt[R][2];
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < 2; ++i) acc[r][i] = _mm256_loadu_ps(A + (int64_t)r * D + d + 8 * i);
-    for (int j = 0; j < n; ++j) {
+      for (int i = 0; i < 2; ++i) {
+        acc[r][i] = _mm256_loadu_ps(A + (int64_t)r * D + d + 8 * i);
+        alt[r][i] = _mm256_setzero_ps();
+      }
+    int j = 0;
+    for (; j + 2 <= n; j += 2) {
+      const KT* v = V + (int64_t)j * D + d;
+      const __m256 v0 = load8(v), v1 = load8(v + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 pj = _mm256_broadcast_ss(P + (int64_t)r * lds + j);
+        acc[r][0] = _mm256_fmadd_ps(pj, v0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(pj, v1, acc[r][1]);
+      }
+      const __m256 w0 = load8(v + D), w1 = load8(v + D + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 pj = _mm256_broadcast_ss(P + (int64_t)r * lds + j + 1);
+        alt[r][0] = _mm256_fmadd_ps(pj, w0, alt[r][0]);
+        alt[r][1] = _mm256_fmadd_ps(pj, w1, alt[r][1]);
+      }
+    }
+    if (j < n) {
       const KT* v = V + (int64_t)j * D + d;
       const __m256 v0 = load8(v), v1 = load8(v + 8);
       for (int r = 0; r < R; ++r) {
@@ -142,7 +192,8 @@ static inline void pv_rows16(float* A, const float* P, int lds, const KT* V, int
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < 2; ++i) _mm256_storeu_ps(A + (int64_t)r * D + d + 8 * i, acc[r][i]);
+      for (int i = 0; i < 2; ++i)
+        _mm256_storeu_ps(A + (int64_t)r * D + d + 8 * i, _mm256_add_ps(acc[r][i], alt[r][i]));
   }
   for (; d < D; d += 8) {
     for (int r = 0; r < R; ++r) {
@@ -158,8 +209,7 @@ template <class KT>
 static void pv_tile(float* A, int M, const float* P, int lds, const KT* V, int n, int D) {
   int r = 0;
   if constexpr (KvQuant<KT>::value) {
-    for (; r + 4 <= M; r += 4) pv_rows16<4>(A + (int64_t)r * D, P + (int64_t)r * lds, lds, V, n, D);
-    if (M - r == 3) pv_rows16<3>(A + (int64_t)r * D, P + (int64_t)r * lds, lds, V, n, D);
+    for (; r + 3 <= M; r += 3) pv_rows16<3>(A + (int64_t)r * D, P + (int64_t)r * lds, lds, V, n, D);
     if (M - r == 2) pv_rows16<2>(A + (int64_t)r * D, P + (int64_t)r * lds, lds, V, n, D);
     if (M - r == 1) pv_rows16<1>(A + (int64_t)r * D, P + (int64_t)r * lds, lds, V, n, D);
     return;
