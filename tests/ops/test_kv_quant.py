@@ -238,3 +238,71 @@ def test_kv_cache_torch_dtype_names():
     assert reference.kv_cache_torch_dtype("fp8_e5m2", torch.float32) == torch.float8_e5m2
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of .*int8.*'fp4'"):
         reference.kv_cache_torch_dtype("fp4", torch.float32)
+
+
+def code_bytes_as(dtype, b: torch.Tensor) -> torch.Tensor:
+    """Storage bytes (uint8) viewed as a cache of ``dtype``."""
+    return b.to(torch.uint8).view(torch.int8 if dtype == torch.int8 else dtype)
+
+
+@pytest.mark.parametrize("dtype", QDTYPES, ids=IDS)
+def test_every_code_of_v_read_exactly(variant, dtype):
+    # All 256 codes as V through the native decode kernel (each variant's vector loads): four
+    # one-token sequences (softmax weight exactly 1) whose V rows hold codes 64s .. 64s + 63 with a
+    # scale of 0.3 (not a power of two: the kernel's folded scale must round as code * scale does).
+    # Output = code value * scale, bit for bit the reference's dequantized value; NaN / inf codes give
+    # NaN / inf as torch's float8 types do. The finite values also against the format's definition.
+    D, BS = 64, 16
+    shape = reference.kv_cache_shape(4, BS, 1, D)
+    sshape = reference.kv_scale_shape(4, BS, 1)
+    vb = torch.zeros(shape, dtype=torch.uint8)
+    vb[:, 0, 0, :] = torch.arange(256, dtype=torch.uint8).view(4, D)
+    vc = code_bytes_as(dtype, vb)
+    kc = code_bytes_as(dtype, torch.zeros(shape, dtype=torch.uint8))
+    ks, vs = torch.ones(sshape), torch.full(sshape, 0.3)
+    bt = torch.arange(4, dtype=torch.int32).view(4, 1)
+    sl = torch.ones(4, dtype=torch.int32)
+    qsl = torch.arange(5, dtype=torch.int32)
+    q = torch.randn(4, 1, D, generator=torch.Generator().manual_seed(0))
+    scale = reference.softmax_scale(D)
+    out = native.paged_attention(q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs).reshape(256)
+    ref = reference.paged_attention(q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs).reshape(256)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0, equal_nan=True)
+    codes, vals = code_table(dtype)
+    want = (vals.float() * torch.tensor(0.3)).float()
+    assert torch.equal(out[codes], want)
+    finite = torch.zeros(256, dtype=torch.bool)
+    finite[codes] = True
+    assert int((~finite).sum()) == {torch.int8: 0, torch.float8_e4m3fn: 2, torch.float8_e5m2: 8}[dtype]
+    assert not out[~finite].isfinite().any()
+
+
+@pytest.mark.parametrize("dtype", QDTYPES, ids=IDS)
+def test_every_finite_code_of_k_read(variant, dtype):
+    # Every finite code as K through Q.K^T: one two-token sequence per code, the first key holding the
+    # code (dim 0), the second zero; V = 1 and 0, so the output is sigmoid(score). The query is
+    # +-2 / (softmax scale * the code's value from the format's definition), so the score is exactly
+    # +-2 when the kernel decodes the code right and at least 1/8 off when it decodes it as any other
+    # code (the output then moves by > 1e-2, far outside the 2e-5 bound).
+    codes, vals = code_table(dtype)
+    n, D, BS = len(codes), 16, 16
+    shape = reference.kv_cache_shape(n, BS, 1, D)
+    sshape = reference.kv_scale_shape(n, BS, 1)
+    kb = torch.zeros(shape, dtype=torch.uint8)
+    kb[:, 0, 0, 0] = codes.to(torch.uint8)
+    one = {torch.int8: 1, torch.float8_e4m3fn: 0x38, torch.float8_e5m2: 0x3C}[dtype]  # the code of 1.0
+    vb = torch.zeros(shape, dtype=torch.uint8)
+    vb[:, 0, 0, :] = one
+    kc, vc = code_bytes_as(dtype, kb), code_bytes_as(dtype, vb)
+    ks, vs = torch.ones(sshape), torch.ones(sshape)
+    scale = reference.softmax_scale(D)
+    q = torch.zeros(n, 1, D)
+    q[:, 0, 0] = torch.where(vals == 0, torch.ones_like(vals), 2.0 / (scale * vals)).float()
+    bt = torch.arange(n, dtype=torch.int32).view(n, 1)
+    sl = torch.full((n,), 2, dtype=torch.int32)
+    qsl = torch.arange(n + 1, dtype=torch.int32)
+    out = native.paged_attention(q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs)[:, 0, 0]
+    ref = reference.paged_attention(q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs)[:, 0, 0]
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    want = torch.where(vals == 0, torch.full_like(vals, 0.5), torch.sigmoid(torch.full_like(vals, 2.0))).float()
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)

@@ -10,7 +10,8 @@
 //       (M + 2) * D floats); variants that need no repacking do nothing.
 //   template <class KT> void qk_tile(const float* Q, const void* qpack, int M, const KT* K,
 //                                    int n, int D, float* S, int lds);
-//       S[r * lds + j] = dot(Q[r], K[j]) for r < M, j < n (KT = float or uint16_t for bf16).
+//       S[r * lds + j] = dot(Q[r], K[j]) for r < M, j < n (KT = float or uint16_t for bf16; with
+//       AK_KV_CODES also KvI8 / KvE4M3 / KvE5M2, read as the codes' values: kv_codes.h).
 //   template <class KT> void pv_tile(float* A, int M, const float* P, int lds, const KT* V,
 //                                    int n, int D);
 //       A[r] += sum_j P[r * lds + j] * V[j] for r < M.
@@ -50,63 +51,17 @@ static inline int chunk_blocks_for(int BS, int D, size_t elem) {
   return (int)std::max<int64_t>(1, tokens / BS);
 }
 
-// ---- quantized KV cache (kv_dtype kI8 / kFP8E4M3 / kFP8E5M2): one byte per element, a float32
-// scale per cached token and KV head. The tag types pick paged_attention_kt's instantiation; the
-// kernel converts each K/V tile it reads to float32 in a scratch tile (codes times the row's
-// scale, exactly as the reference dequantizes) and runs the variant's float qk_tile / pv_tile on
-// it: one code path for every ISA, whose conversion loop the compiler vectorizes for the variant
-// (a variant may define AK_KV_DEQUANT_TILE with its own). The tile stays in L1, so the bytes read
-// from memory per token are what shrinks: 1 byte per element + 4 per row instead of 4 (or 2).
-struct KvI8 { int8_t c; };
-struct KvE4M3 { uint8_t c; };
-struct KvE5M2 { uint8_t c; };
-template <class KT> struct KvQuant { static constexpr bool value = false; };
-template <> struct KvQuant<KvI8> { static constexpr bool value = true; };
-template <> struct KvQuant<KvE4M3> { static constexpr bool value = true; };
-template <> struct KvQuant<KvE5M2> { static constexpr bool value = true; };
+#include "kv_codes.h"
 
-static inline float kv_bits_f32(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-static inline uint32_t kv_f32_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-// Exact code -> float32. fp8 codes go through a 256-entry table per format (1 KiB, stays in L1),
-// built at compile time from the format's definition: value = (2^mb + f) * 2^(e - bias - mb), or
-// f * 2^(1 - bias - mb) for subnormal codes (e == 0). A table lookup is a load (or a gather where
-// the ISA has one); the bit-manipulating conversion it replaced compiled to a scalar loop that ran
-// ~40x slower than the int8 path (perf: 45 cycles per element on AVX2). Codes of NaN/inf (e4m3 0x7f,
-// e5m2 exponent 31) are never written (the writer clamps to kMax); their entries hold 0.
-struct KvFp8Table {
-  float v[256];
-};
-constexpr float kv_pow2(int e) {
-  float r = 1.f;
-  for (; e > 0; --e) r *= 2.f;
-  for (; e < 0; ++e) r *= 0.5f;
-  return r;
-}
-constexpr KvFp8Table kv_fp8_table(int mb, int bias) {
-  KvFp8Table t{};
-  for (int b = 0; b < 256; ++b) {
-    const int m = b & 0x7f, e = m >> mb, f = m & ((1 << mb) - 1);
-    const bool special = (mb == 3 && m == 0x7f) || (mb == 2 && e == 31);
-    float v = e == 0 ? (float)f * kv_pow2(1 - bias - mb) : (float)((1 << mb) + f) * kv_pow2(e - bias - mb);
-    if (special) v = 0.f;
-    t.v[b] = (b & 0x80) ? -v : v;
+// S[r * lds + j] *= s[j] for r < M, j < n: a tile's per-token scales folded into its score (or
+// softmax weight) columns (AK_KV_CODES).
+static inline void kv_scale_columns(float* S, int lds, int M, const float* s, int n) {
+  for (int r = 0; r < M; ++r) {
+    float* sr = S + (int64_t)r * lds;
+#pragma omp simd
+    for (int j = 0; j < n; ++j) sr[j] *= s[j];
   }
-  return t;
 }
-static constexpr KvFp8Table kKvE4M3 = kv_fp8_table(3, 7);
-static constexpr KvFp8Table kKvE5M2 = kv_fp8_table(2, 15);
-static inline float kv_decode(KvI8 q) { return (float)q.c; }
-static inline float kv_decode(KvE4M3 q) { return kKvE4M3.v[q.c]; }
-static inline float kv_decode(KvE5M2 q) { return kKvE5M2.v[q.c]; }
 
 #ifndef AK_KV_DEQUANT_TILE
 // out[j * D + d] = value(q[j * D + d]) * s[j] for j < n: one cached tile (n tokens of a KV head).
@@ -202,6 +157,7 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
   int* lim = reinterpret_cast<int*>(l + cap);
   int* low = lim + cap;
   float* deq = reinterpret_cast<float*>(low + cap);
+  (void)deq;  // unused where the variant reads codes directly (AK_KV_CODES)
   const int win = a.sliding_window;
   const float cap_c = a.logits_soft_cap, inv_cap_c = cap_c > 0.f ? 1.f / cap_c : 0.f;
   auto qpack_of = [&](int hh) { return qpack + (int64_t)hh * (Mh + 2) * D; };
@@ -270,8 +226,14 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
         const int64_t off = tile_of(cb, it.h0 + hh);
         float* sb = S + (int64_t)hh * Mh * W + b * BS;
         if constexpr (KvQuant<KT>::value) {
+#ifdef AK_KV_CODES
+          // scores of the codes, then times each column's scale: q.(c_j * s_j) = s_j * (q.c_j)
+          qk_tile<KT>(Q + (int64_t)hh * Mh * D, qpack_of(hh), Mh, kc + off, n, D, sb, W);
+          kv_scale_columns(sb, W, Mh, a.k_scale + off / D, n);
+#else
           kv_dequant_tile<KT>(kc + off, a.k_scale + off / D, n, D, deq);
           qk_tile<float>(Q + (int64_t)hh * Mh * D, qpack_of(hh), Mh, deq, n, D, sb, W);
+#endif
         } else {
           qk_tile<KT>(Q + (int64_t)hh * Mh * D, qpack_of(hh), Mh, kc + off, n, D, sb, W);
         }
@@ -319,8 +281,15 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
         const int64_t off = tile_of(c + b * BS, it.h0 + hh);
         const float* pb = S + (int64_t)hh * Mh * W + b * BS;
         if constexpr (KvQuant<KT>::value) {
+#ifdef AK_KV_CODES
+          // the chunk's softmax sums are taken, so its weights can carry V's scales:
+          // p_j * (c_j * s_j) = (p_j * s_j) * c_j
+          kv_scale_columns(S + (int64_t)hh * Mh * W + b * BS, W, Mh, a.v_scale + off / D, n);
+          pv_tile<KT>(acc + (int64_t)hh * Mh * D, Mh, pb, W, vc + off, n, D);
+#else
           kv_dequant_tile<KT>(vc + off, a.v_scale + off / D, n, D, deq);
           pv_tile<float>(acc + (int64_t)hh * Mh * D, Mh, pb, W, deq, n, D);
+#endif
         } else {
           pv_tile<KT>(acc + (int64_t)hh * Mh * D, Mh, pb, W, vc + off, n, D);
         }

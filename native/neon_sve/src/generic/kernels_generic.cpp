@@ -11,6 +11,13 @@ using common::W8GBlock;
 static inline float ld(const float* p, int i) { return p[i]; }
 static inline float ld(const uint16_t* p, int i) { return bf16_to_f32(p[i]); }
 
+// Quantized KV codes are read in place, by value without their scale (AK_KV_CODES).
+#include "kv_codes.h"
+#define AK_KV_CODES 1
+static inline float ld(const KvI8* p, int i) { return (float)p[i].c; }
+static inline float ld(const KvE4M3* p, int i) { return kv_decode(p[i]); }
+static inline float ld(const KvE5M2* p, int i) { return kv_decode(p[i]); }
+
 static inline void pack_q(const float*, int, int, void*) {}
 
 template <class KT>

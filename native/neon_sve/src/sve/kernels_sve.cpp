@@ -22,6 +22,26 @@ static inline svfloat32_t ldv(svbool_t pg, const uint16_t* p) {
   return svreinterpret_f32_u32(svlsl_n_u32_x(pg, svld1uh_u32(pg, p), 16));
 }
 
+// Quantized KV codes read in place (kv_codes.h, AK_KV_CODES): one code per 32-bit lane (LD1SB /
+// LD1B), then int8: scvtf; fp8: the half-precision bits in the lane's low half, then fcvt.
+#include "kv_codes.h"
+#define AK_KV_CODES 1
+static inline svfloat32_t ldv(svbool_t pg, const KvI8* p) {
+  return svcvt_f32_s32_x(pg, svld1sb_s32(pg, reinterpret_cast<const int8_t*>(p)));
+}
+static inline svfloat32_t ldv(svbool_t pg, const KvE5M2* p) {
+  const svuint32_t h = svlsl_n_u32_x(pg, svld1ub_u32(pg, reinterpret_cast<const uint8_t*>(p)), 8);
+  return svcvt_f32_f16_x(pg, svreinterpret_f16_u32(h));
+}
+static inline svfloat32_t ldv(svbool_t pg, const KvE4M3* p) {
+  // the sign-extended byte << 7: sign at bit 15 (and 14-31, cleared), magnitude at bits 7-13
+  svuint32_t h = svreinterpret_u32_s32(svld1sb_s32(pg, reinterpret_cast<const int8_t*>(p)));
+  h = svand_n_u32_x(pg, svlsl_n_u32_x(pg, h, 7), 0xbfffu);
+  const svbool_t nan = svcmpeq_n_u32(pg, svand_n_u32_x(pg, h, 0x7fffu), 0x3f80u);
+  h = svorr_n_u32_m(nan, h, 0x7e00u);
+  return svmul_n_f32_x(pg, svcvt_f32_f16_x(pg, svreinterpret_f16_u32(h)), kKvE4M3HalfUnit);
+}
+
 static inline void pack_q(const float*, int, int, void*) {}
 
 // Two query rows share every K load (4 keys x 2 rows = 8 accumulators); sizeless SVE types

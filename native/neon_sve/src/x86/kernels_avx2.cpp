@@ -17,6 +17,24 @@ static inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
+// Quantized KV codes read in place (kv_codes.h, AK_KV_CODES): 8 bytes -> the 8 codes' values,
+// without their scale, converted in registers (int8: vpmovsxbd + vcvtdq2ps; fp8: to half
+// precision in 16-bit lanes, then F16C vcvtph2ps, which every AVX2 host we dispatch to has).
+#include "kv_codes.h"
+#define AK_KV_CODES 1
+static inline __m128i load8_bytes(const void* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+static inline __m256 load8(const KvI8* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8_bytes(p))); }
+static inline __m256 load8(const KvE5M2* p) {
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(load8_bytes(p)), 8));
+}
+static inline __m256 load8(const KvE4M3* p) {
+  // the sign-extended byte << 7: sign at bit 15 (and bit 14, cleared), magnitude at bits 7-13
+  __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(load8_bytes(p)), 7), _mm_set1_epi16((short)0xbfff));
+  const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7fff)), _mm_set1_epi16(0x3f80));
+  h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7e00)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(kKvE4M3HalfUnit));
+}
+
 // [sum(a0), sum(a1), sum(a2), sum(a3)]
 static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -64,10 +82,42 @@ static inline void qk_rows(const float* q, const KT* K, int n, int D, float* s, 
   }
 }
 
+// Three query rows over quantized codes: each converted key vector feeds the three rows at once.
+// 12 accumulators + 3 query vectors + 1 key are the 16 ymm registers (qk_rows<3> keeps 4 keys live
+// and spills an accumulator, a store-load chain through memory in the inner loop).
+template <class KT>
+static inline void qk_rows3(const float* q, const KT* K, int n, int D, float* s, int lds) {
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const KT* k = K + (int64_t)j * D;
+    __m256 a0[4], a1[4], a2[4];
+    for (int i = 0; i < 4; ++i) a0[i] = a1[i] = a2[i] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+      const __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + D + d), q2 = _mm256_loadu_ps(q + 2 * D + d);
+      for (int i = 0; i < 4; ++i) {
+        const __m256 kv = load8(k + (int64_t)i * D + d);
+        a0[i] = _mm256_fmadd_ps(q0, kv, a0[i]);
+        a1[i] = _mm256_fmadd_ps(q1, kv, a1[i]);
+        a2[i] = _mm256_fmadd_ps(q2, kv, a2[i]);
+      }
+    }
+    _mm_storeu_ps(s + j, hsum4(a0[0], a0[1], a0[2], a0[3]));
+    _mm_storeu_ps(s + lds + j, hsum4(a1[0], a1[1], a1[2], a1[3]));
+    _mm_storeu_ps(s + 2 * (int64_t)lds + j, hsum4(a2[0], a2[1], a2[2], a2[3]));
+  }
+  if (j < n) {  // the last n % 4 keys
+    qk_rows<1>(q, K + (int64_t)j * D, n - j, D, s + j, lds);
+    qk_rows<2>(q + D, K + (int64_t)j * D, n - j, D, s + lds + j, lds);
+  }
+}
+
 template <class KT>
 static void qk_tile(const float* Q, const void*, int M, const KT* K, int n, int D, float* S,
                     int lds) {
   int r = 0;
+  // a code load is 2-9 instructions: three rows share each (the default model's GQA group is 3)
+  if constexpr (KvQuant<KT>::value)
+    for (; r + 3 <= M; r += 3) qk_rows3(Q + (int64_t)r * D, K, n, D, S + (int64_t)r * lds, lds);
   for (; r + 2 <= M; r += 2) qk_rows<2>(Q + (int64_t)r * D, K, n, D, S + (int64_t)r * lds, lds);
   for (; r < M; ++r) qk_rows<1>(Q + (int64_t)r * D, K, n, D, S + (int64_t)r * lds, lds);
 }
@@ -103,9 +153,67 @@ static inline void pv_rows(float* A, const float* P, int lds, const KT* V, int n
   }
 }
 
+// pv_rows over 16 dims at a time, up to 3 rows sharing each (converted) code load; even and odd
+// tokens go to two sets of accumulators (4R of them), so that the FMA latency does not bound the
+// loop (one set of 2R chains waits 4 cycles per token).
+template <int R, class KT>
+static inline void pv_rows16(float* A, const float* P, int lds, const KT* V, int n, int D) {
+  int d = 0;
+  for (; d + 16 <= D; d += 16) {
+    __m256 acc[R][2], alt[R][2];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 2; ++i) {
+        acc[r][i] = _mm256_loadu_ps(A + (int64_t)r * D + d + 8 * i);
+        alt[r][i] = _mm256_setzero_ps();
+      }
+    int j = 0;
+    for (; j + 2 <= n; j += 2) {
+      const KT* v = V + (int64_t)j * D + d;
+      const __m256 v0 = load8(v), v1 = load8(v + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 pj = _mm256_broadcast_ss(P + (int64_t)r * lds + j);
+        acc[r][0] = _mm256_fmadd_ps(pj, v0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(pj, v1, acc[r][1]);
+      }
+      const __m256 w0 = load8(v + D), w1 = load8(v + D + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 pj = _mm256_broadcast_ss(P + (int64_t)r * lds + j + 1);
+        alt[r][0] = _mm256_fmadd_ps(pj, w0, alt[r][0]);
+        alt[r][1] = _mm256_fmadd_ps(pj, w1, alt[r][1]);
+      }
+    }
+    if (j < n) {
+      const KT* v = V + (int64_t)j * D + d;
+      const __m256 v0 = load8(v), v1 = load8(v + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 pj = _mm256_broadcast_ss(P + (int64_t)r * lds + j);
+        acc[r][0] = _mm256_fmadd_ps(pj, v0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(pj, v1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 2; ++i)
+        _mm256_storeu_ps(A + (int64_t)r * D + d + 8 * i, _mm256_add_ps(acc[r][i], alt[r][i]));
+  }
+  for (; d < D; d += 8) {
+    for (int r = 0; r < R; ++r) {
+      __m256 a0 = _mm256_loadu_ps(A + (int64_t)r * D + d);
+      for (int j = 0; j < n; ++j)
+        a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(P + (int64_t)r * lds + j), load8(V + (int64_t)j * D + d), a0);
+      _mm256_storeu_ps(A + (int64_t)r * D + d, a0);
+    }
+  }
+}
+
 template <class KT>
 static void pv_tile(float* A, int M, const float* P, int lds, const KT* V, int n, int D) {
   int r = 0;
+  if constexpr (KvQuant<KT>::value) {
+    for (; r + 3 <= M; r += 3) pv_rows16<3>(A + (int64_t)r * D, P + (int64_t)r * lds, lds, V, n, D);
+    if (M - r == 2) pv_rows16<2>(A + (int64_t)r * D, P + (int64_t)r * lds, lds, V, n, D);
+    if (M - r == 1) pv_rows16<1>(A + (int64_t)r * D, P + (int64_t)r * lds, lds, V, n, D);
+    return;
+  }
   for (; r + 2 <= M; r += 2) pv_rows<2>(A + (int64_t)r * D, P + (int64_t)r * lds, lds, V, n, D);
   for (; r < M; ++r) pv_rows<1>(A + (int64_t)r * D, P + (int64_t)r * lds, lds, V, n, D);
 }
