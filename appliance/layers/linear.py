@@ -307,10 +307,15 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
                                   "linear_backend")
     choices: dict[str, str] = {}
     cache, dirty, host = None, False, None
-    rows = tuple(sorted(set(_PROBE_ROWS) | set(extra_rows)))
-    rows_key = "" if rows == _PROBE_ROWS else f"|rows{'-'.join(map(str, rows))}"
+    step_rows = tuple(sorted(set(_PROBE_ROWS) | set(extra_rows)))
+    step_rows_key = "" if step_rows == _PROBE_ROWS else f"|rows{'-'.join(map(str, step_rows))}"
     for m in layers:
         key, rows = _choice_key(m)
+        # a layer timed at its own batch sizes (experts) has them in its key; the others are timed at
+        # the step's sizes, the verify chunk's included, and cached apart when those differ
+        rows_key = ""
+        if not m.probe_rows:
+            rows, rows_key = step_rows, step_rows_key
         if key in choices:
             continue
         cands = m.candidates(dtype, device)
