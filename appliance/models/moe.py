@@ -140,11 +140,11 @@ class MoeForCausalLM(LlamaForCausalLM):
             if sparse:
                 layer.mlp = SparseMoeBlock(cfg)
 
-    def prepare(self, ops, max_position: int, device: torch.device) -> None:
+    def prepare(self, max_position: int, device: torch.device) -> None:
         """As llama's; then each expert's projections (float or, after quantization, quantized) are marked
         to have their linear method chosen at the rows an expert sees: ``top_k / num_experts`` of the
         step's (``share_of_probe_rows``), not the step's own."""
-        super().prepare(ops, max_position, device)
+        super().prepare(max_position, device)
         cfg = self.config
         rows = share_of_probe_rows(cfg.num_experts_per_tok / cfg.num_experts)
         for m in self.modules():
