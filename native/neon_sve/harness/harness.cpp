@@ -560,6 +560,125 @@ void check_wlow(const std::vector<const KernelTable*>& variants) {
 }
 
 // ------------------------------------------------------------------------------------------
+// Low-bit weights with a GGUF K-quant's own scales (WLowArgs.ksuper > 0) against a double-precision
+// reference of the same math: w[n, k] = scale[n, g] q[n, k] + offset[n, g], scale = ksup[n, b] ksub[n, g],
+// offset = kshift[n] scale - ksupmin[n, b] ksubmin[n, g] (Q4_K: u in [0, 16) with c = 8, so kshift 8 and
+// a sub-min; Q6_K: signed int8 sub-scales, no offset). Extremes: fp16's largest d times the largest
+// sub-scale, every weight at the top or bottom of its range, activations alternating at the edges.
+
+void check_wlow_kquant(const std::vector<const KernelTable*>& variants) {
+  struct Case { int M, N, K, G, S, bits; bool mins; int extreme; };
+  const Case cases[] = {{1, 37, 256, 32, 256, 4, true, 0},  {3, 40, 512, 32, 256, 4, true, 0},
+                        {9, 33, 768, 16, 256, 6, false, 0}, {2, 20, 512, 32, 256, 4, true, 1},
+                        {3, 16, 512, 16, 256, 6, false, 1}, {1, 64, 4864, 32, 256, 4, true, 0}};
+  Rng rng(17);
+  for (const Case& c : cases) {
+    const int tiles = (c.N + 15) / 16, groups = c.K / c.G, supers = c.K / c.S, ctr = c.bits == 6 ? 32 : 8;
+    std::vector<int> q((size_t)c.N * c.K), sub((size_t)c.N * groups), smin((size_t)c.N * groups);
+    std::vector<float> sup((size_t)c.N * supers), supmin((size_t)c.N * supers), x((size_t)c.M * c.K);
+    for (auto& v : q) v = (int)(rng.next() % (2 * ctr)) - ctr;
+    // Q4_K: 6-bit unsigned sub-scales and sub-mins; Q6_K: signed 8-bit sub-scales
+    for (auto& v : sub) v = c.bits == 4 ? (int)(rng.next() % 64) : (int)(rng.next() % 256) - 128;
+    for (auto& v : smin) v = c.mins ? (int)(rng.next() % 64) : 0;
+    for (auto& v : sup) v = 1e-4f + 1e-3f * rng.uniform();
+    for (auto& v : supmin) v = c.mins ? 1e-4f + 1e-3f * rng.uniform() : 0.f;
+    for (int m = 0; m < c.M; ++m)
+      for (int k = 0; k < c.K; ++k) x[(size_t)m * c.K + k] = 2 * rng.normal() + (k == 0 ? 3.f : 0.f);
+    if (c.extreme) {
+      for (int n = 0; n < c.N; ++n)
+        for (int k = 0; k < c.K; ++k) q[(size_t)n * c.K + k] = (n + k) % 2 ? ctr - 1 : -ctr;
+      for (int m = 0; m < c.M; ++m)
+        for (int k = 0; k < c.K; ++k) x[(size_t)m * c.K + k] = k % 2 ? -1.f : 0.99f;
+      for (auto& v : sup) v = 65504.f;
+      for (auto& v : sub) v = c.bits == 4 ? 63 : -128;
+      if (c.mins) {
+        for (auto& v : supmin) v = 65504.f;
+        for (auto& v : smin) v = 63;
+      }
+    }
+    // pack (appliance_kernels.h, WLowArgs): the nibble and 2-bit planes as check_wlow packs them
+    std::vector<uint8_t> lo((size_t)tiles * 8 * c.K, 0), hi((size_t)tiles * 4 * c.K, 0);
+    std::vector<int8_t> psub((size_t)tiles * groups * 16, 0), psmin((size_t)tiles * groups * 16, 0);
+    std::vector<int8_t> pshift((size_t)tiles * 16, 0);
+    std::vector<float> psup((size_t)tiles * supers * 16, 0.f), psupmin((size_t)tiles * supers * 16, 0.f);
+    std::vector<float> rowsum((size_t)tiles * 16, 0.f);
+    std::vector<double> scale((size_t)c.N * groups), offset((size_t)c.N * groups);
+    for (int n = 0; n < c.N; ++n) {
+      const int t = n / 16, r = n % 16;
+      pshift[(size_t)t * 16 + r] = (int8_t)(c.mins ? ctr : 0);
+      for (int b = 0; b < supers; ++b) {
+        psup[((size_t)t * supers + b) * 16 + r] = sup[(size_t)n * supers + b];
+        psupmin[((size_t)t * supers + b) * 16 + r] = supmin[(size_t)n * supers + b];
+      }
+      double rs = 0;
+      for (int g = 0; g < groups; ++g) {
+        const int b = g * c.G / c.S;
+        psub[((size_t)t * groups + g) * 16 + r] = (int8_t)sub[(size_t)n * groups + g];
+        psmin[((size_t)t * groups + g) * 16 + r] = (int8_t)smin[(size_t)n * groups + g];
+        const float s = sup[(size_t)n * supers + b] * (float)sub[(size_t)n * groups + g];  // as the kernel forms it
+        scale[(size_t)n * groups + g] = s;
+        offset[(size_t)n * groups + g] = (c.mins ? (double)ctr * s : 0.0) -
+                                         (double)supmin[(size_t)n * supers + b] * smin[(size_t)n * groups + g];
+        long qs = 0;
+        for (int k = g * c.G; k < (g + 1) * c.G; ++k) qs += q[(size_t)n * c.K + k];
+        rs += (double)s * qs;
+      }
+      rowsum[(size_t)t * 16 + r] = (float)rs;
+      for (int k = 0; k < c.K; ++k) {
+        const int u = q[(size_t)n * c.K + k] + ctr;
+        const int s8 = k / 8, j = k % 4, half = (k % 8) / 4;
+        lo[(((size_t)t * (c.K / 8) + s8) * 16 + r) * 4 + j] |= (uint8_t)((u & 15) << (4 * half));
+        const int s16 = k / 16, p = (k % 16) / 4;
+        hi[(((size_t)t * (c.K / 16) + s16) * 16 + r) * 4 + j] |= (uint8_t)((u >> 4) << (2 * p));
+      }
+    }
+    std::vector<float> ref((size_t)c.M * c.N);
+    double mx = 0;
+    for (int m = 0; m < c.M; ++m) {
+      const float* xr = x.data() + (size_t)m * c.K;
+      float lo_ = 0.f, hi_ = 0.f;
+      for (int k = 0; k < c.K; ++k) lo_ = std::min(lo_, xr[k]), hi_ = std::max(hi_, xr[k]);
+      const float s = std::max((hi_ - lo_) / 255.f, 1e-12f);
+      const float zp = std::min(127.f, std::max(-128.f, std::nearbyint(-128.f - lo_ / s)));
+      for (int n = 0; n < c.N; ++n) {
+        double acc = 0, ao = 0, mag = 0;
+        for (int k = 0; k < c.K; ++k) {
+          const float xq = std::min(127.f, std::max(-128.f, std::nearbyint(xr[k] / s) + zp));
+          const double sk = scale[(size_t)n * groups + k / c.G];
+          acc += (double)(xq - zp) * q[(size_t)n * c.K + k] * sk;
+          mag += std::fabs((double)xq * q[(size_t)n * c.K + k] * sk);
+          ao += (double)xr[k] * offset[(size_t)n * groups + k / c.G];
+        }
+        ref[(size_t)m * c.N + n] = (float)(acc * s + ao);
+        // the kernel sums xq q (zero point included) and takes s zp rowsum off: its rounding is of
+        // those terms' size, not of the result's
+        mx = std::max(mx, (mag + std::fabs(zp * rowsum[(size_t)(n / 16) * 16 + n % 16])) * s + std::fabs(ao));
+      }
+    }
+    const double tol = 2e-5 * mx * std::sqrt(c.K / 576.0) + 1e-6;
+    for (const KernelTable* kt : variants) {
+      std::vector<float> out((size_t)c.M * c.N, -1.f);
+      WLowArgs a{x.data(), c.M, c.K, c.N, lo.data(), c.bits == 6 ? hi.data() : nullptr, nullptr, nullptr, c.G,
+                 c.bits, out.data(), nullptr};
+      a.ksub = psub.data();
+      a.ksubmin = c.mins ? psmin.data() : nullptr;
+      a.ksup = psup.data();
+      a.ksupmin = c.mins ? psupmin.data() : nullptr;
+      a.krowsum = rowsum.data();
+      a.kshift = c.mins ? pshift.data() : nullptr;
+      a.ksuper = c.S;
+      kt->gemm_wlow_a8(a);
+      double err;
+      char what[112];
+      std::snprintf(what, sizeof what, "wlow-kquant M=%d N=%d K=%d G=%d S=%d bits=%d%s%s", c.M, c.N, c.K, c.G, c.S,
+                    c.bits, c.mins ? " mins" : "", c.extreme ? " extremes" : "");
+      const bool ok = close_enough(out, ref, tol, 0, &err);
+      report(ok, kt->name, what, err);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
 // fp32 GEMM over panel-packed weights (gemm_f32) against a double-precision product.
 
 void check_sgemm(const std::vector<const KernelTable*>& variants) {
@@ -1037,6 +1156,7 @@ int main(int argc, char** argv) {
     check_attention(variants);
     check_w8g(variants);
     check_wlow(variants);
+    check_wlow_kquant(variants);
     check_sgemm(variants);
     check_gemm_grid(variants);
     check_argmax(variants);
