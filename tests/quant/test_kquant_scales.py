@@ -112,6 +112,22 @@ def test_held_weights_are_ggufs_dequantization_and_outputs_the_reference(qtype, 
         assert per_weight - per_row == 0.828125
 
 
+@pytest.mark.parametrize("qtype,m", [("Q4_K", W4), ("Q6_K", W6), ("Q5_K", W6)])
+def test_many_rows_equal_each_row_alone(qtype, m):
+    """Prefill-sized inputs (a tile's weights unpacked once and met by several tokens at a time) give
+    every row bit for bit what it gives alone (decode's per-token loop), with the K-quant scales."""
+    n, k = 80, 768
+    rng = np.random.default_rng(5)
+    raw = _blocks(qtype, n, k, rng)
+    cw = canonical(qtype, raw, n, k)
+    t = _tables(cw, n, k)
+    p = m.pack_kquant(cw.qweight, t)
+    x = torch.randn(37, k) * torch.linspace(0.1, 4.0, 37)[:, None]
+    y = m.apply(p, x)
+    assert torch.equal(y, torch.cat([m.apply(p, x[i:i + 1]) for i in range(len(x))]))
+    _check_outputs(m, p, cw.qweight, t, k, [x])
+
+
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("scale_at", ["fp16_max", "fp16_min"])
 def test_worst_case_blocks(qtype, scale_at):
@@ -146,7 +162,8 @@ def test_worst_case_blocks(qtype, scale_at):
     from appliance.layers.methods.qmath import quant_act
 
     assert set(quant_act(x)[0].unique().tolist()) == {-128.0, 127.0}  # the codes at their ends
-    _check_outputs(m, p, cw.qweight, t, k, [x, x.abs()])
+    # 2 rows: the per-token loop (decode); 6: a tile's chunk unpacked once for 4 tokens at a time
+    _check_outputs(m, p, cw.qweight, t, k, [x, x.abs(), x.repeat(3, 1), x.abs().repeat(3, 1)])
 
 
 def test_fused_layer_mixing_q4_k_and_q6_k_rows():

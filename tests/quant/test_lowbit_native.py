@@ -97,14 +97,36 @@ def test_worst_case_blocks(bits, group, zp, scale_at):
     scale = torch.full((n, k // group), s)
     zero_point = torch.full((n, k // group), -3.0) if zp else None
     p = m.pack(q, scale, zero_point)
-    x = torch.where(kk % 2 == 1, -1.0, 0.99).reshape(1, k).repeat(2, 1)
     from appliance.layers.methods.qmath import quant_act
 
-    xq, _, _ = quant_act(x)
-    assert set(xq.unique().tolist()) == {-128.0, 127.0}  # the codes at their ends
-    y = m.apply(p, x).double()
-    ref = m.reference(x, q, scale, zero_point=zero_point)
-    assert (y - ref).abs().max().item() <= 2e-5 * ref.abs().max().item()
+    # 2 rows: the per-token loop (decode); 6 rows: a tile's chunk unpacked once for 4 tokens at a time
+    for rows in (2, 6):
+        x = torch.where(kk % 2 == 1, -1.0, 0.99).reshape(1, k).repeat(rows, 1)
+        xq, _, _ = quant_act(x)
+        assert set(xq.unique().tolist()) == {-128.0, 127.0}  # the codes at their ends
+        y = m.apply(p, x).double()
+        ref = m.reference(x, q, scale, zero_point=zero_point)
+        assert (y - ref).abs().max().item() <= 2e-5 * ref.abs().max().item(), rows
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q4_0", "Q4_1", "Q6_K", "Q5_0"])
+def test_many_rows_equal_each_row_alone(qtype):
+    """Prefill-sized inputs (a tile's weights unpacked once and met by several tokens at a time) give
+    every row exactly, bit for bit, what that row gives alone (decode's per-token loop): the integer
+    sums and the order of the fp32 operations per token are the same. Rows 37: blocks of 4 and a
+    remainder; two threads split the tiles."""
+    n, k = 80, 768
+    rng = np.random.default_rng(4)
+    raw = _blocks(qtype, n, k, rng)
+    cw = canonical(qtype, raw, n, k)
+    m = _method(qtype)
+    p = m.pack(cw.qweight, cw.scale, cw.zero_point)
+    x = torch.randn(37, k) * torch.linspace(0.1, 4.0, 37)[:, None]
+    y = m.apply(p, x)
+    alone = torch.cat([m.apply(p, x[i:i + 1]) for i in range(len(x))])
+    assert torch.equal(y, alone)
+    ref = m.reference(x, cw.qweight, cw.scale, zero_point=cw.zero_point)
+    assert (y.double() - ref).abs().max().item() <= 2e-5 * ref.abs().max().item()
 
 
 def test_six_bit_method_refuses_wider_values():
