@@ -113,16 +113,18 @@ def test_held_weights_are_ggufs_dequantization_and_outputs_the_reference(qtype, 
 
 
 @pytest.mark.parametrize("qtype,m", [("Q4_K", W4), ("Q6_K", W6), ("Q5_K", W6)])
-def test_many_rows_equal_each_row_alone(qtype, m):
-    """Prefill-sized inputs (a tile's weights unpacked once and met by several tokens at a time) give
-    every row bit for bit what it gives alone (decode's per-token loop), with the K-quant scales."""
-    n, k = 80, 768
+@pytest.mark.parametrize("k,rows", [(768, 37), (4096, 70)])
+def test_many_rows_equal_each_row_alone(qtype, m, k, rows):
+    """Prefill-sized inputs (a tile's weights unpacked once and met by several tokens at a time, in
+    one or several token blocks) give every row bit for bit what it gives alone (decode's per-token
+    loop), with the K-quant scales."""
+    n = 80
     rng = np.random.default_rng(5)
     raw = _blocks(qtype, n, k, rng)
     cw = canonical(qtype, raw, n, k)
     t = _tables(cw, n, k)
     p = m.pack_kquant(cw.qweight, t)
-    x = torch.randn(37, k) * torch.linspace(0.1, 4.0, 37)[:, None]
+    x = torch.randn(rows, k) * torch.linspace(0.1, 4.0, rows)[:, None]
     y = m.apply(p, x)
     assert torch.equal(y, torch.cat([m.apply(p, x[i:i + 1]) for i in range(len(x))]))
     _check_outputs(m, p, cw.qweight, t, k, [x])

@@ -110,18 +110,20 @@ def test_worst_case_blocks(bits, group, zp, scale_at):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q4_0", "Q4_1", "Q6_K", "Q5_0"])
-def test_many_rows_equal_each_row_alone(qtype):
+@pytest.mark.parametrize("k,rows", [(768, 37), (4096, 70)])
+def test_many_rows_equal_each_row_alone(qtype, k, rows):
     """Prefill-sized inputs (a tile's weights unpacked once and met by several tokens at a time) give
     every row exactly, bit for bit, what that row gives alone (decode's per-token loop): the integer
     sums and the order of the fp32 operations per token are the same. Rows 37: blocks of 4 and a
-    remainder; two threads split the tiles."""
-    n, k = 80, 768
+    remainder; 70 rows of 4096 inputs: more than one token block of the x86 kernel (about 256 KiB of
+    int8 activations a block)."""
+    n = 80
     rng = np.random.default_rng(4)
     raw = _blocks(qtype, n, k, rng)
     cw = canonical(qtype, raw, n, k)
     m = _method(qtype)
     p = m.pack(cw.qweight, cw.scale, cw.zero_point)
-    x = torch.randn(37, k) * torch.linspace(0.1, 4.0, 37)[:, None]
+    x = torch.randn(rows, k) * torch.linspace(0.1, 4.0, rows)[:, None]
     y = m.apply(p, x)
     alone = torch.cat([m.apply(p, x[i:i + 1]) for i in range(len(x))])
     assert torch.equal(y, alone)
