@@ -124,10 +124,13 @@ def test_many_rows_equal_each_row_alone(qtype, m, k, rows):
     cw = canonical(qtype, raw, n, k)
     t = _tables(cw, n, k)
     p = m.pack_kquant(cw.qweight, t)
+    torch.manual_seed(5)
     x = torch.randn(rows, k) * torch.linspace(0.1, 4.0, rows)[:, None]
     y = m.apply(p, x)
     assert torch.equal(y, torch.cat([m.apply(p, x[i:i + 1]) for i in range(len(x))]))
-    _check_outputs(m, p, cw.qweight, t, k, [x])
+    # 2e-5 of the output scale up to 768 inputs, growing with the number of fp32 group sums
+    ref = kquant_reference(x, cw.qweight, t)
+    assert (y.double() - ref).abs().max().item() <= 2e-5 * max(1, k / 768) * ref.abs().max().item()
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
