@@ -112,6 +112,27 @@ def test_held_weights_are_ggufs_dequantization_and_outputs_the_reference(qtype, 
         assert per_weight - per_row == 0.828125
 
 
+@pytest.mark.parametrize("qtype,m", [("Q4_K", W4), ("Q6_K", W6), ("Q5_K", W6)])
+@pytest.mark.parametrize("k,rows", [(768, 37), (4096, 70)])
+def test_many_rows_equal_each_row_alone(qtype, m, k, rows):
+    """Prefill-sized inputs (a tile's weights unpacked once and met by several tokens at a time, in
+    one or several token blocks) give every row bit for bit what it gives alone (decode's per-token
+    loop), with the K-quant scales."""
+    n = 80
+    rng = np.random.default_rng(5)
+    raw = _blocks(qtype, n, k, rng)
+    cw = canonical(qtype, raw, n, k)
+    t = _tables(cw, n, k)
+    p = m.pack_kquant(cw.qweight, t)
+    torch.manual_seed(5)
+    x = torch.randn(rows, k) * torch.linspace(0.1, 4.0, rows)[:, None]
+    y = m.apply(p, x)
+    assert torch.equal(y, torch.cat([m.apply(p, x[i:i + 1]) for i in range(len(x))]))
+    # 2e-5 of the output scale up to 768 inputs, growing with the number of fp32 group sums
+    ref = kquant_reference(x, cw.qweight, t)
+    assert (y.double() - ref).abs().max().item() <= 2e-5 * max(1, k / 768) * ref.abs().max().item()
+
+
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("scale_at", ["fp16_max", "fp16_min"])
 def test_worst_case_blocks(qtype, scale_at):
@@ -146,7 +167,8 @@ def test_worst_case_blocks(qtype, scale_at):
     from appliance.layers.methods.qmath import quant_act
 
     assert set(quant_act(x)[0].unique().tolist()) == {-128.0, 127.0}  # the codes at their ends
-    _check_outputs(m, p, cw.qweight, t, k, [x, x.abs()])
+    # 2 rows: the per-token loop (decode); 6: a tile's chunk unpacked once for 4 tokens at a time
+    _check_outputs(m, p, cw.qweight, t, k, [x, x.abs(), x.repeat(3, 1), x.abs().repeat(3, 1)])
 
 
 def test_fused_layer_mixing_q4_k_and_q6_k_rows():

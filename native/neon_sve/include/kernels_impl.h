@@ -790,6 +790,8 @@ static void gemm_w8g_a8(const W8GArgs& a) {
 // Inputs per unpacked chunk: a 16-row tile's chunk is 4 KiB of int8 q (gemm_w8g_a8's layout), which
 // stays in L1 while the variant's W8A8 work item reads it.
 constexpr int64_t kWLowChunk = 256;
+// Bytes of int8 activations per token block of the x86 work items (half a Zen 3 / Skylake L2).
+constexpr int64_t kWLowBlockBytes = 1 << 18;
 
 #ifndef AK_WLOW_FAST
 // Unpack inputs [k0, k0 + kc) of one tile into q (gemm_w8g_a8's [kc/4][16][4] int8 layout).
@@ -893,15 +895,20 @@ static void gemm_wlow_a8(const WLowArgs& a) {
     for (int r = 0; r < rows; ++r) o[r] = y[r];
   };
 #ifdef AK_WLOW_FAST
-  // Items: tiles; each chunk of a tile's weights (a few KiB, in L1) meets every token in turn.
-#pragma omp parallel if (tiles > 1 && M * N * K > (1 << 16))
+  // Items: (token block, tile), tiles inner; each chunk of a tile's weights (a few KiB, in L1) meets
+  // every token of the block in turn. A block's int8 activations (about kWLowBlockBytes) stay in L2
+  // while its tiles run over them, rather than all M tokens being read from further out per tile.
+  const int64_t mb = std::min<int64_t>(M, std::max<int64_t>(16, kWLowBlockBytes / K / 4 * 4));
+  const int64_t mblocks = (M + mb - 1) / mb;
+#pragma omp parallel if (tiles * mblocks > 1 && M * N * K > (1 << 16))
   {
-    FloatBuf acc((size_t)(M * 16));
+    FloatBuf acc((size_t)(mb * 16));
     FloatBuf ksc(kq ? (size_t)(chunk / G * 16) : 1), koff(kq && has_off ? (size_t)(groups * 16) : 1);
     ByteBuf zws(kq ? (size_t)(chunk / G * 16 * 2) : 1);  // zeroed
 #pragma omp for schedule(static)
-    for (int64_t tile = 0; tile < tiles; ++tile) {
-      for (int64_t j = 0; j < M * 16; ++j) acc.data()[j] = 0.f;
+    for (int64_t item = 0; item < mblocks * tiles; ++item) {
+      const int64_t tile = item % tiles, m0 = item / tiles * mb, T = std::min(mb, M - m0);
+      for (int64_t j = 0; j < T * 16; ++j) acc.data()[j] = 0.f;
       for (int64_t k0 = 0; k0 < K; k0 += chunk) {
         WLowBlock b;
         b.lo = a.lo + tile * 8 * K;
@@ -910,12 +917,12 @@ static void gemm_wlow_a8(const WLowArgs& a) {
         b.kc = std::min(chunk, K - k0);
         b.G = (int)G;
         b.bits = a.bits;
-        b.x = reinterpret_cast<const int8_t*>(xq.data()) + k0;
+        b.x = reinterpret_cast<const int8_t*>(xq.data()) + m0 * K + k0;
         b.ldx = K;
-        b.T = (int)M;
-        b.xsum = xsum + k0 / G;
+        b.T = (int)T;
+        b.xsum = xsum + m0 * groups + k0 / G;
         b.ldg = groups;
-        b.zp = corr.data();
+        b.zp = corr.data() + m0;
         if (kq) {
           kscales(tile, k0 / G, b.kc / G, ksc.data(), has_off ? koff.data() + k0 / G * 16 : nullptr);
           b.scale = ksc.data();
@@ -927,8 +934,8 @@ static void gemm_wlow_a8(const WLowArgs& a) {
         b.acc = acc.data();
         wlow_block_fast(b);
       }
-      for (int64_t m = 0; m < M; ++m)
-        finish(tile, m, acc.data() + m * 16, sx.data()[m], kq && has_off ? koff.data() : nullptr);
+      for (int64_t t = 0; t < T; ++t)
+        finish(tile, m0 + t, acc.data() + t * 16, sx.data()[m0 + t], kq && has_off ? koff.data() : nullptr);
     }
   }
 #else
