@@ -119,6 +119,7 @@ class SparseMoeBlock(nn.Module):
             # a [1, hidden] float gate (like the router, never quantized)
             self.shared_expert_gate = nn.Module()
             self.shared_expert_gate.weight = nn.Parameter(torch.empty(1, cfg.hidden_size), requires_grad=False)
+        self.native_calls = 0  # forwards run by ops.moe_experts (which path ran, for tests and benchmarks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _, weights, ids = self.gate(x)
@@ -146,7 +147,11 @@ class SparseMoeBlock(nn.Module):
             return None
         flat, kinds = plan[1]
         width = self.experts[0].down_proj.in_features
-        return lambda x, ids, weights: ops.moe_experts(x, ids, weights, flat, kinds, width)
+
+        def run(x, ids, weights):
+            self.native_calls += 1
+            return ops.moe_experts(x, ids, weights, flat, kinds, width)
+        return run
 
 
 # checkpoint name pieces -> ours (Mixtral's block and expert names; Qwen's are ours already)
