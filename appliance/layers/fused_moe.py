@@ -55,6 +55,24 @@ class Router(nn.Module):
         return logits, weights, ids
 
 
+def native_plan(experts: nn.ModuleList) -> tuple[list[torch.Tensor], list[int]] | None:
+    """The experts as ``ops.native.moe_experts`` takes them (per expert its gate/up then its down
+    projection: weight, bias, 3 aux tensors; and per projection its LinearKind and 3 ints), from their
+    linear methods' ``fused_descriptor``; None when some projection has none or is tensor-parallel."""
+    empty = torch.empty(0)
+    flat: list[torch.Tensor] = []
+    kinds: list[int] = []
+    for expert in experts:
+        for lin in (expert.gate_up_proj, expert.down_proj):
+            d = lin.fused_descriptor() if lin.tp_mode is None else None
+            if d is None:
+                return None
+            aux = tuple(d.aux) + (None,) * (3 - len(d.aux))
+            flat += [d.weight, empty if d.bias is None else d.bias, *(empty if a is None else a for a in aux)]
+            kinds += [d.kind, *(tuple(d.ints) + (0,) * (3 - len(d.ints)))]
+    return flat, kinds
+
+
 def grouped_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                     experts: nn.ModuleList) -> torch.Tensor:
     """sum over k of ``weights[t, k] * experts[expert_ids[t, k]](x[t])`` for every token t.
@@ -81,7 +99,7 @@ def grouped_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Te
     w = weights.reshape(-1).index_select(0, order)
     contrib = (out_rows * w[:, None]).to(x.dtype)
     by_token = torch.argsort(token_of, stable=True)
-    per_slot = contrib.index_select(0, by_token).view(t, k, -1)
+    per_slot = contrib.index_select(0, by_token).view(t, k, contrib.shape[-1])  # (-1 is ambiguous at t = 0)
     out = per_slot[:, 0].clone()
     for j in range(1, k):  # top_k adds of [T, hidden] (a loop over slots, never over tokens)
         out += per_slot[:, j]

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from appliance.errors import ModelLoadError
-from appliance.layers.fused_moe import Router, grouped_experts
+from appliance.layers.forward_context import current_ops
+from appliance.layers.fused_moe import Router, grouped_experts, native_plan
 from appliance.layers.linear import share_of_probe_rows
 from appliance.models import llama
 from appliance.models.llama import LlamaConfig, LlamaForCausalLM, MLP
@@ -118,14 +119,39 @@ class SparseMoeBlock(nn.Module):
             # a [1, hidden] float gate (like the router, never quantized)
             self.shared_expert_gate = nn.Module()
             self.shared_expert_gate.weight = nn.Parameter(torch.empty(1, cfg.hidden_size), requires_grad=False)
+        self.native_calls = 0  # forwards run by ops.moe_experts (which path ran, for tests and benchmarks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _, weights, ids = self.gate(x)
-        out = grouped_experts(x, ids, weights, self.experts)
+        run = self._native_experts()
+        out = run(x, ids, weights) if run is not None else grouped_experts(x, ids, weights, self.experts)
         if self.shared_expert is not None:
             g = torch.sigmoid(torch.nn.functional.linear(x, self.shared_expert_gate.weight))
             out = out + g * self.shared_expert(x)
         return out
+
+    def _native_experts(self):
+        """The experts as one native call per step (``ops.native.moe_experts``), or None: only with the
+        native op set and its one-call paths on (``FUSED_LAYERS``, as llama's decoder stack), and every
+        expert projection on a method the native side applies (``fused_moe.native_plan``)."""
+        ops = current_ops()
+        if not getattr(ops, "FUSED_LAYERS", False) or not hasattr(ops, "moe_experts"):
+            return None
+        # a projection packed anew (set_backend) rebuilds the plan
+        key = tuple(id(lin.packed) for e in self.experts for lin in (e.gate_up_proj, e.down_proj))
+        plan = self.__dict__.get("_native_plan")
+        if plan is None or plan[0] != key:
+            plan = (key, native_plan(self.experts))
+            self.__dict__["_native_plan"] = plan
+        if plan[1] is None:
+            return None
+        flat, kinds = plan[1]
+        width = self.experts[0].down_proj.in_features
+
+        def run(x, ids, weights):
+            self.native_calls += 1
+            return ops.moe_experts(x, ids, weights, flat, kinds, width)
+        return run
 
 
 # checkpoint name pieces -> ours (Mixtral's block and expert names; Qwen's are ours already)

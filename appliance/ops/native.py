@@ -541,6 +541,16 @@ def llama_layers(embeds: torch.Tensor, positions: torch.Tensor, layers: list[tor
                                    block_table, seq_lens, query_start_loc, int(all_reduce[0]), int(all_reduce[1]))
 
 
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: list[torch.Tensor],
+                kinds: list[int], intermediate: int) -> torch.Tensor:
+    """One mixture-of-experts layer's experts in one native call: ``sum_k weights[t, k] *
+    expert[ids[t, k]](x[t])`` for x ``[T, hidden]``, ids and weights ``[T, top_k]`` (see ``moe_experts``
+    in native/neon_sve/bindings/torch_bindings.cpp): ``experts`` holds per expert its gate/up then its
+    down projection as ``llama_layers`` takes a projection (weight, bias, 3 aux tensors), ``kinds`` their
+    ``LinearKind`` and 3 ints, from the linear methods' ``fused_descriptor``."""
+    return _require().moe_experts(x, ids, weights, experts, kinds, int(intermediate))
+
+
 def gate_up_order(intermediate: int) -> torch.Tensor | None:
     """Row order of a fused [gate; up] weight (2 * ``intermediate`` rows) that puts 16 gate rows and
     their 16 up rows in each 32-row panel, for ``gemm_f32(silu_mul=True)``; None when the size does

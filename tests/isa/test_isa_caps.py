@@ -29,7 +29,10 @@ KERNEL_AND_LINEAR = ["tests/ops", "tests/quant/test_kernels.py", "tests/quant/te
                      "tests/quant/test_checkpoints.py", "tests/quant/test_gguf_direct.py",
                      "tests/unit/test_backend_choice.py", "tests/model/test_parity.py",
                      "tests/model/test_kv_cache_dtype.py", "tests/quant/test_lowbit_native.py",
-                     "tests/quant/test_kquant_scales.py"]
+                     "tests/quant/test_kquant_scales.py",
+                     # the MoE models through ops.moe_experts (the kernels' moe_f32 and every expert kind)
+                     "tests/model/test_moe.py::test_greedy_and_logits_match_transformers",
+                     "tests/model/test_moe.py::test_quantized_moe_model_in_the_engine"]
 QUALITY = ["tests/quant/test_default_model_quality.py"]
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 

@@ -22,6 +22,8 @@ from appliance.layers.fused_moe import grouped_experts
 from appliance.layers.linear import LinearBase
 from appliance.models.moe import MoeConfig, MoeForCausalLM, SparseMoeBlock
 from appliance.ops import reference as reference_ops
+from appliance.ops import native as native_ops
+from appliance.ops.native import is_available as native_available
 
 PROMPTS = [
     "The quick brown fox",
@@ -77,6 +79,14 @@ def test_greedy_and_logits_match_transformers(tiny_model_dir, arch, overrides, b
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS]
     check_against_transformers(llm, path, ids, MAX_NEW)
+    # the native op set (auto, where the extension builds) runs each MoE layer's experts as one native
+    # call (ops.moe_experts); the reference op set the per-expert path
+    # (unless APPLIANCE_FUSED_LAYERS=0 turns the one-call paths off)
+    ops = llm.engine.runner.ops
+    one_call = hasattr(ops, "moe_experts") and ops.FUSED_LAYERS
+    assert one_call == (backend == "auto" and native_available() and native_ops.FUSED_LAYERS)
+    ran_native = [b.native_calls > 0 for b in _sparse_layers(model)]
+    assert ran_native == [one_call] * len(ran_native), ran_native
 
 
 def _assert_experts_chosen_at_their_rows(llm):

@@ -401,6 +401,50 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& w, cons
   return st[0].toTensor();
 }
 
+c10::optional<torch::Tensor> opt_tensor(const torch::Tensor& t) {
+  return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+}
+
+// A group zero point's term, as the methods' qmath.add_offset: y + x's group sums @ offset_t [G, N].
+torch::Tensor add_offset(const torch::Tensor& y, const torch::Tensor& xf, const torch::Tensor& off_t) {
+  if (!off_t.numel()) return y;
+  return torch::addmm(y, xf.reshape({xf.size(0), off_t.size(0), -1}).sum(-1), off_t);
+}
+
+// One linear layer as its method packed it (a LinearKind, see above): lin kLinearEntries tensors
+// (weight, bias, aux0..2), ki kLinearInts ints (kind, then three kind-specific), n output features.
+torch::Tensor apply_linear(const int64_t* ki, const torch::Tensor& x, const torch::Tensor* lin, int64_t n,
+                           const char* who) {
+  const int64_t kind = ki[0];
+  const torch::Tensor& w = lin[0];
+  const auto b = opt_tensor(lin[1]);
+  if (kind == kLinNative) return gemm_f32(x, w, b, n, false);
+  if (kind == kLinOneDNN) return onednn_linear(x, w, b);
+  if (kind == kLinTorch) return torch::linear(x, w, b);
+  if (kind == kLinBF16) return gemm_bf16(x, w, b, n);
+  torch::Tensor y;
+  if (kind == kLinW8G) {
+    const auto xf = x.to(torch::kFloat32).contiguous();
+    y = add_offset(gemm_w8g_a8(xf, w, lin[2], lin[3], n, ki[1], ki[2] != 0), xf, lin[4]);
+  } else if (kind == kLinInt4Pack) {
+    y = at::_weight_int4pack_mm_for_cpu(x.to(torch::kBFloat16), w, ki[1], lin[2]).to(torch::kFloat32);
+  } else if (kind == kLinDynQuant4) {
+    const auto xf = x.to(torch::kFloat32);
+    y = add_offset(at::_dyn_quant_matmul_4bit(xf, w, ki[1], x.size(1), n), xf, lin[4]);
+  } else if (kind == kLinInt8Pack) {
+    y = at::_weight_int8pack_mm(x.to(torch::kBFloat16), w, lin[2]).to(torch::kFloat32);
+  } else if (kind == kLinWLow && ki[3]) {  // K-quant scales: ki[3] = super | flags << 16
+    y = gemm_wlow_kq_a8(x.to(torch::kFloat32).contiguous(), w, lin[2], lin[3], lin[4], n, ki[1], ki[2],
+                        ki[3] & 0xFFFF, ki[3] >> 16);
+  } else if (kind == kLinWLow) {
+    y = gemm_wlow_a8(x.to(torch::kFloat32).contiguous(), w, lin[2], lin[3], lin[4], n, ki[1], ki[2]);
+  } else {
+    TORCH_CHECK(false, who, ": unknown linear kind ", kind);
+  }
+  if (b.has_value()) y = y + b->to(torch::kFloat32);
+  return y.to(x.scalar_type());
+}
+
 // Every decoder layer of a Llama-family model (Llama, Mistral, Qwen2, Qwen3: pre-norm, fused
 // q/k/v with optional bias, optional per-head q/k RMSNorm, neox rotary, paged attention, o_proj,
 // gate/up then silu(gate) * up, down) in one call, through the same functions as the per-op path
@@ -440,42 +484,8 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
   const auto sl = seq_lens.to(torch::kInt32).contiguous();
   const auto qsl = query_start_loc.to(torch::kInt32).contiguous();
   const auto cs = cos_sin.to(torch::kFloat32).contiguous();
-  auto opt = [](const torch::Tensor& t) { return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt; };
-  // A group zero point's term, as the methods' qmath.add_offset: y + x's group sums @ offset_t [G, N].
-  auto add_offset = [](const torch::Tensor& y, const torch::Tensor& xf, const torch::Tensor& off_t) {
-    if (!off_t.numel()) return y;
-    return torch::addmm(y, xf.reshape({xf.size(0), off_t.size(0), -1}).sum(-1), off_t);
-  };
-  // lin: kLinearEntries tensors; ki: kLinearInts ints; n: output features
-  auto linear = [&](const int64_t* ki, const torch::Tensor& x, const torch::Tensor* lin, int64_t n) -> torch::Tensor {
-    const int64_t kind = ki[0];
-    const torch::Tensor& w = lin[0];
-    const auto b = opt(lin[1]);
-    if (kind == kLinNative) return gemm_f32(x, w, b, n, false);
-    if (kind == kLinOneDNN) return onednn_linear(x, w, b);
-    if (kind == kLinTorch) return torch::linear(x, w, b);
-    if (kind == kLinBF16) return gemm_bf16(x, w, b, n);
-    torch::Tensor y;
-    if (kind == kLinW8G) {
-      const auto xf = x.to(torch::kFloat32).contiguous();
-      y = add_offset(gemm_w8g_a8(xf, w, lin[2], lin[3], n, ki[1], ki[2] != 0), xf, lin[4]);
-    } else if (kind == kLinInt4Pack) {
-      y = at::_weight_int4pack_mm_for_cpu(x.to(torch::kBFloat16), w, ki[1], lin[2]).to(torch::kFloat32);
-    } else if (kind == kLinDynQuant4) {
-      const auto xf = x.to(torch::kFloat32);
-      y = add_offset(at::_dyn_quant_matmul_4bit(xf, w, ki[1], x.size(1), n), xf, lin[4]);
-    } else if (kind == kLinInt8Pack) {
-      y = at::_weight_int8pack_mm(x.to(torch::kBFloat16), w, lin[2]).to(torch::kFloat32);
-    } else if (kind == kLinWLow && ki[3]) {  // K-quant scales: ki[3] = super | flags << 16
-      y = gemm_wlow_kq_a8(x.to(torch::kFloat32).contiguous(), w, lin[2], lin[3], lin[4], n, ki[1], ki[2],
-                          ki[3] & 0xFFFF, ki[3] >> 16);
-    } else if (kind == kLinWLow) {
-      y = gemm_wlow_a8(x.to(torch::kFloat32).contiguous(), w, lin[2], lin[3], lin[4], n, ki[1], ki[2]);
-    } else {
-      TORCH_CHECK(false, "llama_layers: unknown linear kind ", kind);
-    }
-    if (b.has_value()) y = y + b->to(torch::kFloat32);
-    return y.to(x.scalar_type());
+  auto linear = [](const int64_t* ki, const torch::Tensor& x, const torch::Tensor* lin, int64_t n) {
+    return apply_linear(ki, x, lin, n, "llama_layers");
   };
   auto head_norm = [&](const torch::Tensor& x, const torch::Tensor& w) {  // Qwen3's q/k RMSNorm
     const auto xc = x.contiguous();
@@ -533,7 +543,7 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
     torch::Tensor act;
     const torch::Tensor* gu_lin = lin + 2 * kLinearEntries;
     if (ki[2 * kLinearInts] == kLinNative) {
-      act = gemm_f32(hn, gu_lin[0], opt(gu_lin[1]), 2 * intermediate, true);
+      act = gemm_f32(hn, gu_lin[0], opt_tensor(gu_lin[1]), 2 * intermediate, true);
     } else {
       const auto gu = linear(ki + 2 * kLinearInts, hn, gu_lin, 2 * intermediate);
       act = torch::empty({T, intermediate}, gu.options());
@@ -544,6 +554,119 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
   }
   auto out = torch::empty_like(residual);
   fused_add_rms_norm(h, residual, final_norm_w, eps, out);
+  return out;
+}
+
+// One mixture-of-experts layer's experts in one call: sum over k of weights[t, k] *
+// expert[ids[t, k]](x[t]), as appliance/layers/fused_moe.py grouped_experts computes it. experts:
+// per expert 2 * kLinearEntries tensors (its gate/up then its down projection, as llama_layers takes a
+// projection), kinds: 2 * kLinearInts ints per expert (its LinearKinds, from the methods'
+// fused_descriptor). The step's (token, slot) pairs are sorted by expert (stably, counting sort); when
+// every touched expert is native fp32 (gate/up packed for the silu epilogue, no biases) and x is
+// float32, the kernel table's moe_f32 runs them all in one parallel region; otherwise each touched
+// expert's projections run once on its rows, through the kinds as llama_layers applies them. Each
+// row's output is weighted in the weights' dtype, rounded to x's, and a token's k rows are added in
+// increasing expert order in x's dtype (transformers' loop over experts).
+torch::Tensor moe_experts(const torch::Tensor& x_in, const torch::Tensor& ids_in, const torch::Tensor& weights,
+                          const std::vector<torch::Tensor>& experts, const std::vector<int64_t>& kinds,
+                          int64_t intermediate) {
+  TORCH_CHECK(x_in.dim() == 2, "moe_experts: x [T, hidden], got ", x_in.dim(), " dims");
+  TORCH_CHECK(ids_in.dim() == 2 && ids_in.size(0) == x_in.size(0), "moe_experts: ids [T, top_k] with T=",
+              x_in.size(0), ", got ", ids_in.sizes());
+  TORCH_CHECK(weights.sizes() == ids_in.sizes(), "moe_experts: weights of ids' shape ", ids_in.sizes(), ", got ",
+              weights.sizes());
+  TORCH_CHECK(!experts.empty() && experts.size() % (2 * kLinearEntries) == 0, "moe_experts: ",
+              2 * kLinearEntries, " tensors per expert, got ", experts.size());
+  const int64_t E = (int64_t)(experts.size() / (2 * kLinearEntries));
+  TORCH_CHECK(kinds.size() == (size_t)E * 2 * kLinearInts, "moe_experts: ", 2 * kLinearInts,
+              " ints per expert (", E, " experts), got ", kinds.size());
+  TORCH_CHECK(intermediate > 0, "moe_experts: intermediate must be > 0, got ", intermediate);
+  const auto x = x_in.contiguous();
+  const auto ids = ids_in.to(torch::kInt64).contiguous();
+  const int64_t T = x.size(0), H = x.size(1), k = ids.size(1), R = T * k;
+  const int64_t* id = ids.data_ptr<int64_t>();
+  std::vector<int64_t> start(E + 1, 0);
+  for (int64_t f = 0; f < R; ++f) {
+    TORCH_CHECK(id[f] >= 0 && id[f] < E, "moe_experts: expert ids must be in [0, ", E, "), got ", id[f]);
+    ++start[id[f] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  // order[r]: the (token, slot) index f of grouped row r (stable within an expert)
+  auto order = torch::empty({R}, torch::kInt64);
+  {
+    int64_t* o = order.data_ptr<int64_t>();
+    std::vector<int64_t> pos(start.begin(), start.end() - 1);
+    for (int64_t f = 0; f < R; ++f) o[pos[id[f]]++] = f;
+  }
+  const auto token_of = torch::div(order, k, "floor");
+  const auto rows = x.index_select(0, token_of);  // [R, H], each expert's rows contiguous
+  auto lin_of = [&](int64_t e, int which) { return &experts[(size_t)(2 * e + which) * kLinearEntries]; };
+  auto ki_of = [&](int64_t e, int which) { return &kinds[(size_t)(2 * e + which) * kLinearInts]; };
+  bool all_f32 = x.scalar_type() == torch::kFloat32 && intermediate % (ak::kSgemmPanel / 2) == 0;
+  for (int64_t e = 0; e < E && all_f32; ++e) {
+    if (start[e + 1] == start[e]) continue;
+    for (int which = 0; which < 2; ++which) {
+      const torch::Tensor* lin = lin_of(e, which);
+      all_f32 = all_f32 && ki_of(e, which)[0] == kLinNative && !lin[1].numel();
+    }
+  }
+  torch::Tensor y;
+  if (all_f32) {
+    const int64_t pgu = (2 * intermediate + ak::kSgemmPanel - 1) / ak::kSgemmPanel;
+    const int64_t pdn = (H + ak::kSgemmPanel - 1) / ak::kSgemmPanel;
+    std::vector<const float*> wgu(E, nullptr), wdn(E, nullptr);
+    for (int64_t e = 0; e < E; ++e) {
+      if (start[e + 1] == start[e]) continue;
+      const torch::Tensor& g = lin_of(e, 0)[0];
+      const torch::Tensor& d = lin_of(e, 1)[0];
+      TORCH_CHECK(g.scalar_type() == torch::kFloat32 && g.is_contiguous() && g.numel() == pgu * ak::kSgemmPanel * H,
+                  "moe_experts: expert ", e, " gate/up: float32 panels [", pgu, ", ", H, ", ", ak::kSgemmPanel,
+                  "], got ", g.numel(), " values");
+      TORCH_CHECK(d.scalar_type() == torch::kFloat32 && d.is_contiguous() &&
+                      d.numel() == pdn * ak::kSgemmPanel * intermediate,
+                  "moe_experts: expert ", e, " down: float32 panels [", pdn, ", ", intermediate, ", ",
+                  ak::kSgemmPanel, "], got ", d.numel(), " values");
+      wgu[e] = g.data_ptr<float>();
+      wdn[e] = d.data_ptr<float>();
+    }
+    auto act = torch::empty({R, intermediate}, x.options());
+    y = torch::empty({R, H}, x.options());
+    ak::MoeF32Args a{};
+    a.xg = rows.data_ptr<float>();
+    a.H = H;
+    a.I = intermediate;
+    a.E = E;
+    a.start = start.data();
+    a.wgu = wgu.data();
+    a.wdn = wdn.data();
+    a.act = act.data_ptr<float>();
+    a.y = y.data_ptr<float>();
+    K()->moe_f32(a);
+  } else {
+    y = torch::empty({R, H}, x.options());
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t n = start[e + 1] - start[e];
+      if (!n) continue;
+      const auto xs = rows.narrow(0, start[e], n);
+      const torch::Tensor* gu = lin_of(e, 0);
+      torch::Tensor act;
+      if (ki_of(e, 0)[0] == kLinNative) {  // packed for the silu epilogue (NativeLinear.fused_descriptor)
+        act = gemm_f32(xs, gu[0], opt_tensor(gu[1]), 2 * intermediate, true);
+      } else {
+        const auto g = apply_linear(ki_of(e, 0), xs, gu, 2 * intermediate, "moe_experts");
+        act = torch::empty({n, intermediate}, g.options());
+        silu_and_mul(g, act);
+      }
+      y.narrow(0, start[e], n).copy_(apply_linear(ki_of(e, 1), act, lin_of(e, 1), H, "moe_experts"));
+    }
+  }
+  const auto w = weights.reshape({-1}).index_select(0, order);
+  const auto contrib = (y * w.unsqueeze(1)).to(x.scalar_type());
+  // by_token: each token's k rows in increasing expert order (grouped rows are in expert order)
+  const auto by_token = std::get<1>(torch::sort(token_of, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  const auto per_slot = contrib.index_select(0, by_token).view({T, k, H});
+  auto out = per_slot.select(1, 0).clone();
+  for (int64_t j = 1; j < k; ++j) out.add_(per_slot.select(1, j));
   return out;
 }
 
@@ -589,6 +712,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16", &gemm_bf16, pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("n"));
   m.def("llama_layers", &llama_layers);
+  m.def("moe_experts", &moe_experts);
   m.def("cpu_has", &cpu_has);
   m.def("kernel_variant", &kernel_variant);
   m.def("available_variants", &available_variants);

@@ -731,6 +731,85 @@ void check_sgemm(const std::vector<const KernelTable*>& variants) {
   }
 }
 
+// ------------------------------------------------------------------------------------------
+// One mixture-of-experts layer's experts (moe_f32) against double-precision products: E experts,
+// rows grouped by expert with experts of 0 rows, 1 row, several row blocks (17) and a partial one;
+// hidden with a partial down panel. Bound: gemm_f32's per projection, the gate/up error carried
+// through silu(gate) * up (|d act| <= (|u| + |silu g|) tol) and the down projection's sum over I.
+
+void check_moe(const std::vector<const KernelTable*>& variants) {
+  constexpr int NR = kSgemmPanel, H = 72, I = 48, E = 6;
+  const int64_t counts[E] = {2, 0, 1, 17, 0, 5};
+  int64_t start[E + 1] = {0};
+  for (int e = 0; e < E; ++e) start[e + 1] = start[e] + counts[e];
+  const int64_t R = start[E];
+  const int Pgu = 2 * I / NR, Pdn = (H + NR - 1) / NR;
+  Rng rng(23);
+  std::vector<float> xg((size_t)R * H);
+  for (auto& v : xg) v = rng.normal();
+  std::vector<std::vector<float>> gu(E), dn(E), gup(E), dnp(E);
+  std::vector<const float*> pg(E), pd(E);
+  for (int e = 0; e < E; ++e) {
+    gu[e].resize((size_t)2 * I * H);  // canonical [2I, H]: gate rows then up rows
+    dn[e].resize((size_t)H * I);
+    for (auto& v : gu[e]) v = 0.1f * rng.normal();
+    for (auto& v : dn[e]) v = 0.1f * rng.normal();
+    // gate/up panels for the silu epilogue: 16 gate then 16 up columns per panel
+    gup[e].assign((size_t)Pgu * H * NR, 0.f);
+    for (int p = 0; p < Pgu; ++p)
+      for (int j = 0; j < NR; ++j) {
+        const int row = j < NR / 2 ? p * NR / 2 + j : I + p * NR / 2 + j - NR / 2;
+        for (int k = 0; k < H; ++k) gup[e][((size_t)p * H + k) * NR + j] = gu[e][(size_t)row * H + k];
+      }
+    dnp[e].assign((size_t)Pdn * I * NR, 0.f);
+    for (int n = 0; n < H; ++n)
+      for (int k = 0; k < I; ++k) dnp[e][((size_t)(n / NR) * I + k) * NR + n % NR] = dn[e][(size_t)n * I + k];
+    pg[e] = gup[e].data();
+    pd[e] = dnp[e].data();
+  }
+  std::vector<float> ref((size_t)R * H);
+  double mx = 0, mg = 0;
+  for (int e = 0; e < E; ++e)
+    for (int64_t r = start[e]; r < start[e + 1]; ++r) {
+      std::vector<double> act(I);
+      for (int i = 0; i < I; ++i) {
+        double g = 0, u = 0;
+        for (int k = 0; k < H; ++k) {
+          g += (double)xg[r * H + k] * gu[e][(size_t)i * H + k];
+          u += (double)xg[r * H + k] * gu[e][(size_t)(I + i) * H + k];
+        }
+        mg = std::max(mg, std::max(std::fabs(g), std::fabs(u)));
+        act[i] = g / (1 + std::exp(-g)) * u;
+      }
+      for (int n = 0; n < H; ++n) {
+        double acc = 0;
+        for (int i = 0; i < I; ++i) acc += act[i] * dn[e][(size_t)n * I + i];
+        ref[r * H + n] = (float)acc;
+        mx = std::max(mx, std::fabs(acc));
+      }
+    }
+  // act's error (2 mg + 1) tol_gu summed over I weights of 0.1 sigma, plus down's own rounding
+  const double tol_gu = 4e-6 * mg * std::sqrt(H / 64.0) + 1e-6;
+  const double tol = (2 * mg + 1) * tol_gu * 0.1 * std::sqrt((double)I) * 4 + 4e-6 * mx * std::sqrt(I / 64.0) + 1e-6;
+  for (const KernelTable* kt : variants) {
+    std::vector<float> act((size_t)R * I, -1.f), y((size_t)R * H, -1.f);
+    MoeF32Args a{};
+    a.xg = xg.data();
+    a.H = H;
+    a.I = I;
+    a.E = E;
+    a.start = start;
+    a.wgu = pg.data();
+    a.wdn = pd.data();
+    a.act = act.data();
+    a.y = y.data();
+    kt->moe_f32(a);
+    double err;
+    const bool ok = close_enough(y, ref, tol, 0, &err);
+    report(ok, kt->name, "moe_f32 E=6 rows 2,0,1,17,0,5 H=72 I=48", err);
+  }
+}
+
 // The panel GEMMs over the shapes of issue 19: decode rows (1), partial, whole and several row blocks
 // (3, 8, 17, 64), K of a small layer, the default model's hidden size, and not a multiple of the
 // unrolls (1000, 1001: odd, a padded last pair), N with a partial last panel (100). Against a double
@@ -1158,6 +1237,7 @@ int main(int argc, char** argv) {
     check_wlow(variants);
     check_wlow_kquant(variants);
     check_sgemm(variants);
+    check_moe(variants);
     check_gemm_grid(variants);
     check_argmax(variants);
   }

@@ -123,6 +123,22 @@ struct WLowArgs {
   int ksuper;            // S: 0 for fp32 group scales; else a multiple of G dividing K
 };
 
+// Every touched expert of one mixture-of-experts layer in fp32 (moe_f32): for expert e, its rows
+// rows[start[e] .. start[e + 1]) of xg (the step's token rows gathered in expert order, [R, H]) go
+// through gate_up (wgu[e]: gemm_f32 panels packed for kSgemmSiluMul, 2I columns) into act [R, I] as
+// silu(gate) * up, then through down (wdn[e]: gemm_f32 panels, H columns) into y [R, H]. Work items
+// are (touched expert, panel) pairs, split over the threads in expert order so each expert's weights
+// stream from DRAM once per call; the gate_up pass ends with a barrier before down.
+struct MoeF32Args {
+  const float* xg;          // [R, H] contiguous
+  int64_t H, I, E;          // hidden, expert width (a multiple of kSgemmPanel / 2), experts
+  const int64_t* start;     // [E + 1] row offsets, start[E] = R
+  const float* const* wgu;  // [E] [ceil(2I/32), H, 32] each (null for an expert with no rows)
+  const float* const* wdn;  // [E] [ceil(H/32), I, 32]
+  float* act;               // [R, I] scratch
+  float* y;                 // [R, H]
+};
+
 struct KernelTable {
   const char* name;
   // Causal paged attention (optionally windowed, soft-capped), semantics of
@@ -188,6 +204,8 @@ struct KernelTable {
                                   int num_kv_heads, int head_size, int block_size);
   // Low-bit weights (4 or 6 bits) with int8 activations (see WLowArgs).
   void (*gemm_wlow_a8)(const WLowArgs& a);
+  // One mixture-of-experts layer's experts in fp32 (see MoeF32Args).
+  void (*moe_f32)(const MoeF32Args& a);
 };
 
 // Output columns per prepacked panel of gemm_f32 (the layout is the same for every variant).

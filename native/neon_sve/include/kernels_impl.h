@@ -1111,6 +1111,83 @@ static void gemm_f32(const float* x, int64_t M, int64_t K, const float* wp, int6
   }
 }
 
+// ------------------------------------------------------------------ mixture-of-experts layer, fp32
+//
+// moe_f32 (MoeF32Args in appliance_kernels.h): gemm_f32's panel micro-kernel and silu epilogue over
+// every touched expert in one parallel region. The work items of a pass are (expert, panel) pairs of
+// the experts with rows, in expert order; thread t takes a contiguous run of them (weights adjacent in
+// memory within an expert), runs each expert's row blocks over the panel and prefetches its next
+// item's panel meanwhile, so each touched expert's weights are read once per pass. A decode step has
+// one or two rows per expert: per-expert calls would each pay a parallel region and split a small
+// GEMM over the threads; here the threads split the layer's whole weight stream instead.
+static void moe_f32(const MoeF32Args& a) {
+  constexpr int NR = kSgemmPanel, MR = kSgemmMR, HP = NR / 2;
+  using Block = void (*)(const float*, int64_t, const float*, int, float*, int64_t, const float*,
+                         int, const char*, int, bool);
+  static const Block kBlocks[MR + 1] = {nullptr,         sgemm_block<1>, sgemm_block<2>,
+                                        sgemm_block<3>, sgemm_block<4>, sgemm_block<5>,
+                                        sgemm_block<6>, sgemm_block<7>, sgemm_block<8>};
+  const int64_t H = a.H, I = a.I;
+  const int64_t Pgu = (2 * I + NR - 1) / NR, Pdn = (H + NR - 1) / NR;
+  std::vector<int64_t> touched;
+  for (int64_t e = 0; e < a.E; ++e)
+    if (a.start[e + 1] > a.start[e]) touched.push_back(e);
+  const int64_t nt = (int64_t)touched.size();
+  if (!nt) return;
+  const int64_t R = a.start[a.E];
+#pragma omp parallel if (R * (H * I) > (1 << 15))
+  {
+    const int T = omp_get_num_threads(), t = omp_get_thread_num();
+    alignas(64) float tile[MR * NR];
+    for (int pass = 0; pass < 2; ++pass) {
+      const bool gu = pass == 0;
+      const int64_t P = gu ? Pgu : Pdn, K = gu ? H : I, N = gu ? 2 * I : H;
+      const int64_t panel = K * NR, lines = panel * (int64_t)sizeof(float) / 64;
+      const int iters = (int)(K / 4);
+      const float* src = gu ? a.xg : a.act;
+      const int64_t W = nt * P, w0 = W * t / T, w1 = W * (t + 1) / T;
+      for (int64_t w = w0; w < w1; ++w) {
+        const int64_t e = touched[w / P], p = w % P;
+        const float* wp = gu ? a.wgu[e] : a.wdn[e];
+        const float* B = wp + p * panel;
+        const int64_t r_begin = a.start[e], rows = a.start[e + 1] - r_begin;
+        const int64_t nrb = (rows + MR - 1) / MR;
+        // the next item's panel, a slice per row block
+        const char* next = nullptr;
+        int per4 = 0;
+        if (w + 1 < w1 && iters) {
+          const int64_t en = touched[(w + 1) / P], pn = (w + 1) % P;
+          next = reinterpret_cast<const char*>((gu ? a.wgu[en] : a.wdn[en]) + pn * panel);
+          per4 = (int)((lines + nrb * iters - 1) / (nrb * iters));
+        }
+        const int nvalid = (int)std::min<int64_t>(NR, N - p * NR);
+        for (int64_t rb = 0; rb < nrb; ++rb) {
+          const int64_t r0 = r_begin + rb * MR;
+          const int mr = (int)std::min<int64_t>(MR, r_begin + rows - r0);
+          const int64_t first = rb * iters * per4;
+          const char* pf = per4 > 0 && first < lines ? next + first * 64 : nullptr;
+          if (!gu) {
+            kBlocks[mr](src + r0 * K, K, B, (int)K, a.y + r0 * H + p * NR, H, nullptr, nvalid, pf, per4, false);
+            continue;
+          }
+          kBlocks[mr](src + r0 * K, K, B, (int)K, tile, NR, nullptr, NR, pf, per4, false);
+          for (int r = 0; r < mr; ++r) {  // as gemm_f32's kSgemmSiluMul epilogue
+            const float* g = tile + r * NR;
+            float ex[HP];
+            for (int j = 0; j < HP; ++j) ex[j] = -g[j];
+            exp_vec(ex, HP);
+            float* o = a.act + (r0 + r) * I + p * HP;
+            for (int j = 0; j < HP; ++j) o[j] = (g[j] / (1.f + ex[j])) * g[HP + j];
+          }
+        }
+      }
+      if (gu) {
+#pragma omp barrier
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------------ bf16-weight GEMM, prepacked panels
 //
 // gemm_bf16 (layout in appliance_kernels.h): gemm_f32's work split and prefetch over bf16 panels
@@ -1257,4 +1334,5 @@ static const KernelTable kTable = {
     impl::gemm_bf16,
     impl::reshape_and_cache_quant,
     impl::gemm_wlow_a8,
+    impl::moe_f32,
 };

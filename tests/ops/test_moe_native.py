@@ -1,0 +1,168 @@
+"""ops.native.moe_experts (one native call per mixture-of-experts layer) on every variant this CPU
+supports: against an fp64 per-token loop over each token's experts (the experts' own float weights),
+for routings with experts of 0 rows, 1 row and every row; bit for bit against the per-expert path
+(fused_moe.grouped_experts with the same native methods: same micro-kernel, same rows per block);
+quantized and non-native experts through their LinearKinds; bad input refused by name.
+
+fp32 accumulation through two projections (K = hidden, then K = width) of weights ~N(0, 0.05): the
+bound ``2e-5 * max|y| + 1e-6`` is several times fp32's eps * sqrt(K) per projection at these sizes;
+a wrong expert, panel, row or routing weight is off by O(max|y|)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from appliance.layers.forward_context import ForwardContext, set_forward_context
+from appliance.layers.fused_moe import grouped_experts, native_plan
+from appliance.models.moe import ARCHS, MoeConfig, SparseMoeBlock
+from appliance.ops import native
+
+HIDDEN, WIDTH, EXPERTS, TOP_K = 96, 48, 8, 3  # width: 3 silu panels of 16; hidden: 3 panels, a tail
+
+
+def _block(width=WIDTH, seed=0) -> tuple[SparseMoeBlock, dict]:
+    hf = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=32, hidden_size=HIDDEN, intermediate_size=64,
+              moe_intermediate_size=width, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+              num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True)
+    cfg = MoeConfig.from_hf(hf, ARCHS["Qwen3MoeForCausalLM"], "Qwen3MoeForCausalLM")
+    torch.manual_seed(seed)
+    block = SparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.05)
+    # the float weights (set_backend releases them once packed)
+    weights = {id(e): (e.gate_up_proj.weight.detach().clone(), e.down_proj.weight.detach().clone())
+               for e in block.experts}
+    return block, weights
+
+
+def _set(block, backend):
+    for e in block.experts:
+        e.gate_up_proj.set_backend(backend)
+        e.down_proj.set_backend(backend)
+
+
+def _fp64_reference(block, weights, x, ids, w):
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            gu, dn = weights[id(block.experts[int(ids[t, j])])]
+            h = x[t].double() @ gu.double().t()
+            i = h.shape[0] // 2
+            out[t] += w[t, j].double() * ((torch.nn.functional.silu(h[:i]) * h[i:]) @ dn.double().t())
+    return out
+
+
+def _routing(case: str, t: int, g: torch.Generator) -> torch.Tensor:
+    """[t, TOP_K] distinct expert ids per token."""
+    if case == "random":
+        return torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(t)]) if t else \
+            torch.empty(0, TOP_K, dtype=torch.int64)
+    if case == "all_tokens_same_experts":  # experts 5, 2, 7 get every row, the others none
+        return torch.tensor([[5, 2, 7]] * t)
+    # one_row_each: expert 0 gets one row (token 0), 1..3 every other token's, 4..7 none
+    ids = torch.tensor([[1, 2, 3]] * t)
+    ids[0] = torch.tensor([3, 0, 1])
+    return ids
+
+
+def _check(got, want):
+    assert got.shape == want.shape and got.dtype == torch.float32
+    if not want.numel():
+        return
+    tol = 2e-5 * want.abs().max().item() + 1e-6
+    err = (got.double() - want).abs().max().item()
+    assert err <= tol, f"max error {err:.3g} > {tol:.3g}"
+
+
+def _call(block, x, ids, w):
+    flat, kinds = native_plan(block.experts)
+    return native.moe_experts(x, ids, w, flat, kinds, block.experts[0].down_proj.in_features)
+
+
+@pytest.mark.parametrize("case,tokens", [("random", 0), ("random", 1), ("random", 2), ("random", 16),
+                                         ("random", 40), ("all_tokens_same_experts", 1),
+                                         ("all_tokens_same_experts", 19), ("one_row_each", 11)])
+def test_native_f32_experts_match_fp64_per_token_loop(variant, case, tokens):
+    block, weights = _block()
+    _set(block, "native")
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, HIDDEN, generator=g)
+    ids = _routing(case, tokens, g)
+    w = torch.rand(tokens, TOP_K, generator=g)
+    got = _call(block, x, ids, w)
+    _check(got, _fp64_reference(block, weights, x, ids, w))
+    # the per-expert path with the same methods: the same micro-kernel over the same row blocks
+    with set_forward_context(ForwardContext(None, [], native)):
+        assert torch.equal(got, grouped_experts(x, ids, w, block.experts))
+
+
+@pytest.mark.parametrize("backend", ["torch", "onednn"])
+def test_non_native_float_experts_through_their_kinds(variant, backend):
+    """Experts on another float method run per touched expert inside the call (its LinearKind)."""
+    from helpers import skip_unless_backend
+
+    skip_unless_backend(backend)
+    block, weights = _block()
+    _set(block, backend)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(13, HIDDEN, generator=g)
+    ids = _routing("random", 13, g)
+    w = torch.rand(13, TOP_K, generator=g)
+    got = _call(block, x, ids, w)
+    _check(got, _fp64_reference(block, weights, x, ids, w))
+    with set_forward_context(ForwardContext(None, [], native)):
+        torch.testing.assert_close(got, grouped_experts(x, ids, w, block.experts), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("scheme,backend", [("w8a8", "w8a8_native"), ("w4a8", "w4a8_native")])
+def test_quantized_experts_equal_the_per_expert_path(variant, scheme, backend):
+    """Quantized experts stay quantized in the one call: equal to each QuantLinear's own forward."""
+    from helpers import skip_unless_backend
+
+    from appliance.layers import quant
+
+    skip_unless_backend(backend)
+    block, _ = _block(width=64)
+    quant.quantize_model(block, scheme, 32)
+    _set(block, backend)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(21, HIDDEN, generator=g)
+    ids = _routing("random", 21, g)
+    w = torch.rand(21, TOP_K, generator=g)
+    got = _call(block, x, ids, w)
+    with set_forward_context(ForwardContext(None, [], native)):
+        want = grouped_experts(x, ids, w, block.experts)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_block_uses_the_one_call_with_native_ops(monkeypatch):
+    """SparseMoeBlock under the native op set takes ops.moe_experts (and the per-expert path when
+    FUSED_LAYERS is off); both give the same result."""
+    block, _ = _block()
+    _set(block, "native")
+    x = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(7))
+    calls = []
+    real = native.moe_experts
+    monkeypatch.setattr(native, "moe_experts", lambda *a: calls.append(1) or real(*a))
+    with set_forward_context(ForwardContext(None, [], native)):
+        one = block(x)
+        assert calls == [1]
+        monkeypatch.setattr(native, "FUSED_LAYERS", False)
+        per_expert = block(x)
+        assert calls == [1]
+    assert torch.equal(one, per_expert)
+
+
+def test_bad_input_is_refused():
+    block, _ = _block()
+    _set(block, "native")
+    x = torch.randn(2, HIDDEN)
+    w = torch.rand(2, TOP_K)
+    with pytest.raises(RuntimeError, match=r"expert ids must be in \[0, 8\), got 8"):
+        _call(block, x, torch.tensor([[0, 1, 8], [0, 1, 2]]), w)
+    with pytest.raises(RuntimeError, match=r"weights of ids' shape"):
+        _call(block, x, torch.tensor([[0, 1, 2], [0, 1, 2]]), torch.rand(2, 2))
+    flat, kinds = native_plan(block.experts)
+    with pytest.raises(RuntimeError, match=r"10 tensors per expert"):
+        native.moe_experts(x, torch.tensor([[0, 1, 2], [0, 1, 2]]), w, flat[:-1], kinds, WIDTH)
