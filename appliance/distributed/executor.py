@@ -253,7 +253,8 @@ class TPExecutor:
 
             self.ray_set, self.procs = start_rank_actors(
                 placements[1:], payload_for,
-                [worker_env(config.allocator, placement=placements[r]) for r in range(1, n)])
+                [worker_env(config.allocator, placement=placements[r]) for r in range(1, n)],
+                replica=config.data_parallel_rank)
             self.conns = list(self.procs)  # a RayRank is its rank's process and pipe end at once
         else:
             self._spawn(n, store, config, info, dtype, max_model_len, pooler_config, placements)

@@ -196,7 +196,9 @@ def print_banner(engine_config: EngineConfig, server: ServerConfig, names: list[
     t.add_row("engine", f"core process pid {info['pid']}")
     if info.get("replicas"):
         t.add_row("data parallel", f"{len(info['replicas'])} replicas ({info['distributed_executor_backend']}): "
-                  + "; ".join(f"pid {r['pid']} CPUs {r['cpus']}" for r in info["replicas"]))
+                  + "; ".join(f"pid {r['pid']} CPUs {r['cpus']}"
+                              + (f" (tensor parallel: ranks on {r['ranks']})" if r.get("ranks") else "")
+                              for r in info["replicas"]))
     if info.get("runtime"):
         from appliance.runtime.worker import describe
 
