@@ -82,6 +82,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # --tensor-parallel-size / -tp (vLLM's name): ranks the model is sharded over (appliance.distributed)
     tensor_parallel_size: int = 1
+    # Set by the data-parallel frontend on each replica's copy (dp_client.replica_configs): the replica's
+    # index; its omp_threads_bind then lists only this replica's tensor-parallel ranks. None elsewhere.
+    data_parallel_rank: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -150,17 +153,18 @@ class EngineConfig:
                 raise InvalidRequestError(
                     f"tensor_parallel_size must be at most the {cpus} CPUs available to this process (one rank "
                     f"needs at least one), got {self.tensor_parallel_size}", "tensor_parallel_size")
-        if self.tensor_parallel_size > 1 and self.data_parallel_size > 1:
-            # each replica would need its own group of rank placements (dp x tp lists); not built yet
-            raise InvalidRequestError(
-                f"--tensor-parallel-size {self.tensor_parallel_size} with --data-parallel-size "
-                f"{self.data_parallel_size} is not supported: use one of them (the other at 1)", "data_parallel_size")
+        if self.data_parallel_rank is not None and not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise InvalidRequestError(f"data_parallel_rank must be in [0, data_parallel_size="
+                                      f"{self.data_parallel_size}), got {self.data_parallel_rank!r}",
+                                      "data_parallel_rank")
         from appliance.errors import ApplianceError
         from appliance.runtime.threads import check_rank_lists
 
-        try:  # the tensor/data parallel sizes (1 until those fields exist) decide how many lists
-            check_rank_lists(self.omp_threads_bind, getattr(self, "tensor_parallel_size", 1)
-                             * getattr(self, "data_parallel_size", 1), "omp_threads_bind")
+        # one CPU list per rank: tensor-parallel size x data-parallel size of them (a replica's own
+        # copy, data_parallel_rank set, lists its tensor-parallel ranks only)
+        ranks = self.tensor_parallel_size * (self.data_parallel_size if self.data_parallel_rank is None else 1)
+        try:
+            check_rank_lists(self.omp_threads_bind, ranks, "omp_threads_bind")
         except ApplianceError as e:
             raise InvalidRequestError(str(e), "omp_threads_bind") from None
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

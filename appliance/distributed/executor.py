@@ -47,8 +47,7 @@ class TensorParallelError(ApplianceError):
 
 def check_tensor_parallel(config, info, device: torch.device) -> None:
     """Refuse, before anything starts, a tensor-parallel size this model or device cannot run."""
-    from appliance.models.llama import check_tp_sizes
-    from appliance.models.registry import family_config, tensor_parallel_architectures
+    from appliance.models.registry import check_tp_sizes, tensor_parallel_architectures
 
     n = config.tensor_parallel_size
     supported = tensor_parallel_architectures()
@@ -58,7 +57,7 @@ def check_tensor_parallel(config, info, device: torch.device) -> None:
     if device.type != "cpu":
         raise InvalidRequestError(f"tensor_parallel_size={n} runs on the CPU (device=cpu); this engine's device is "
                                   f"{device.type} (device={config.device})", "tensor_parallel_size")
-    check_tp_sizes(family_config(info.architecture, info.hf_config), n)
+    check_tp_sizes(info.architecture, info.hf_config, n)
 
 
 def rank_placements(config) -> list:
@@ -254,7 +253,8 @@ class TPExecutor:
 
             self.ray_set, self.procs = start_rank_actors(
                 placements[1:], payload_for,
-                [worker_env(config.allocator, placement=placements[r]) for r in range(1, n)])
+                [worker_env(config.allocator, placement=placements[r]) for r in range(1, n)],
+                replica=config.data_parallel_rank)
             self.conns = list(self.procs)  # a RayRank is its rank's process and pipe end at once
         else:
             self._spawn(n, store, config, info, dtype, max_model_len, pooler_config, placements)

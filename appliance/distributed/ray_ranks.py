@@ -161,21 +161,24 @@ class RayRank:
             self.kill()
 
 
-def start_rank_actors(placements: list, payload_for, envs: list[dict[str, str]]):
+def start_rank_actors(placements: list, payload_for, envs: list[dict[str, str]], replica: int | None = None):
     """Ranks 1..N-1 (``placements[i]``, ``envs[i]`` for rank i + 1) as actors in one placement group;
     ``payload_for(rank, host)``: the rank's ``worker_main`` arguments (pickled), given the address its
-    TCP store client reaches rank 0 at. Returns (the ``RayReplicaSet`` to stop at close, [``RayRank``])."""
+    TCP store client reaches rank 0 at; ``replica``: the data-parallel replica these ranks serve (its
+    index goes into the group's and actors' names, which are unique in a Ray namespace). Returns (the
+    ``RayReplicaSet`` to stop at close, [``RayRank``])."""
     import ray
 
     from appliance.server.ray_executor import RayReplicaSet
 
-    ray_set = RayReplicaSet(placements, name="appliance-tp-ranks")
+    tag = "" if replica is None else f"-dp{replica}"
+    ray_set = RayReplicaSet(placements, name=f"appliance-tp-ranks{tag}")
     ray_set.start()
     host = ray.util.get_node_ip_address()  # rank 0's node
     ranks = []
     try:
         for i, (p, env) in enumerate(zip(placements, envs)):
-            r = RayRank(ray_set.create_actor(i, env, cls=RankActor, name=f"appliance-tp-rank{i + 1}"), i + 1)
+            r = RayRank(ray_set.create_actor(i, env, cls=RankActor, name=f"appliance{tag}-tp-rank{i + 1}"), i + 1)
             r.start(p.cpus, payload_for(i + 1, host))
             ranks.append(r)
     except BaseException:

@@ -7,6 +7,9 @@ A layer is built with its full (checkpoint) sizes and a ``tp`` mode; in a tensor
   alike); the output stays split: the next layer is row-parallel (or attention over local heads).
 - ``row``: input columns split; each rank's partial product is summed by an all-reduce. A bias is
   held by rank 0 only (the others hold zeros), so the sum adds it once.
+- ``row_partial``: split as ``row``, but the partial product is returned as it is: the caller
+  sums several such layers' outputs and all-reduces once (the experts of an MoE block and its
+  shared expert: one all-reduce per block, not one per expert).
 - ``vocab``: the logits projection, output rows split by vocabulary; the logits are gathered.
 
 The rank's part is cut in the per-parameter weight loaders (``rank_part``), so every weight source
@@ -22,7 +25,8 @@ import torch
 
 from appliance.distributed.parallel_state import TPGroup, get_tp_group
 
-TP_MODES = ("column", "row", "vocab")
+TP_MODES = ("column", "row", "row_partial", "vocab")
+ROW_MODES = ("row", "row_partial")
 
 
 def setup(layer, mode: str | None, in_features: int, out_features: int,
@@ -38,7 +42,7 @@ def setup(layer, mode: str | None, in_features: int, out_features: int,
     if not group.is_parallel:
         return in_features, out_features, shards
     n = group.world_size
-    if mode == "row":
+    if mode in ROW_MODES:
         return group.shard(in_features, "the layer's input size")[1], out_features, shards
     for name, (off, rows) in shards.items():
         group.shard(rows, f"the rows of {name}")
@@ -52,7 +56,8 @@ def inherit(dst, src) -> None:
 
 
 def finish(layer, y: torch.Tensor) -> torch.Tensor:
-    """The layer's output as the next layer needs it: summed over ranks (row), gathered (vocab)."""
+    """The layer's output as the next layer needs it: summed over ranks (row), gathered (vocab), this
+    rank's partial sum (row_partial: the caller all-reduces)."""
     mode = layer.tp_mode
     if mode == "row":
         return layer.tp_group.communicator.all_reduce_(y)
@@ -104,7 +109,7 @@ def rank_part(layer, param: torch.Tensor, loaded, shard_id: str | None):
                                    None if zp is None else _rows(zp, layer, shard_id), loaded.group_size,
                                    loaded.scheme)
         return _rows(loaded, layer, shard_id)
-    # row: split the input dimension; a bias (1-D) is added once, by rank 0
+    # row, row_partial: split the input dimension; a bias (1-D) is added once, by rank 0
     if not isinstance(loaded, QuantizedWeight):
         if loaded.dim() == 1:
             return loaded if g.rank == 0 else torch.zeros_like(loaded)

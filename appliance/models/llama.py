@@ -153,13 +153,15 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, down_tp: str = "row"):
+        """``down_tp="row_partial"``: under tensor parallelism the output is this rank's partial sum,
+        all-reduced by the caller (an MoE block, once for all its experts)."""
         super().__init__()
         i = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * i, bias=cfg.mlp_bias,
                                    shards={"gate_proj": (0, i), "up_proj": (i, i)}, tp="column")
         self.gate_up_proj.silu_mul_next = True
-        self.down_proj = Linear(i, cfg.hidden_size, bias=cfg.mlp_bias, tp="row")
+        self.down_proj = Linear(i, cfg.hidden_size, bias=cfg.mlp_bias, tp=down_tp)
 
     def forward(self, x):
         gu = self.gate_up_proj
@@ -324,12 +326,13 @@ class LlamaForCausalLM(nn.Module):
 supports_tensor_parallel = True
 
 
-def check_tp_sizes(cfg: LlamaConfig, tp: int) -> None:
-    """Refuse a tensor-parallel size that does not split the heads, the MLP or the vocabulary evenly."""
+def check_tp_sizes(cfg: LlamaConfig, tp: int, more: dict[str, int] | None = None) -> None:
+    """Refuse a tensor-parallel size that does not split the heads, the MLP or the vocabulary evenly
+    (nor any of ``more``: a family's other split sizes, e.g. an MoE expert's width)."""
     if tp == 1:
         return
     sizes = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-             "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size}
+             "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size, **(more or {})}
     bad = {k: v for k, v in sizes.items() if v % tp}
     if bad:
         import math

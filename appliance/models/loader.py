@@ -242,7 +242,7 @@ def build_model_for(info: ModelInfo, source, device: torch.device) -> torch.nn.M
                                 dict(mod.shards), w8_groups=scheme == "w8a8" and group is not None)
             except ValueError as e:
                 tp = (f" (this rank's part at tensor_parallel_size={mod.tp_group.world_size}; groups must not "
-                      f"straddle ranks)" if getattr(mod, "tp_mode", None) == "row" else "")
+                      f"straddle ranks)" if getattr(mod, "tp_mode", None) in ("row", "row_partial") else "")
                 raise ModelLoadError(f"{source.path}: tensor {parts[0]!r}: group size {group} (from the checkpoint's "
                                      f"quantization config) does not divide the input size {mod.in_features}{tp}") from e
             from appliance.layers.parallel import inherit

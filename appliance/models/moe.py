@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from appliance.distributed.parallel_state import get_tp_group
 from appliance.errors import ModelLoadError
 from appliance.layers.forward_context import current_ops
 from appliance.layers.fused_moe import Router, grouped_experts, native_plan
@@ -99,17 +100,25 @@ class MoeConfig(LlamaConfig):
 
 class ExpertMLP(MLP):
     """A gated MLP of width ``intermediate`` (an expert, or Qwen2-MoE's shared expert): llama's MLP,
-    so its [gate; up] and down projections are ``Linear`` layers like any other."""
+    so its [gate; up] and down projections are ``Linear`` layers like any other. Under tensor
+    parallelism each rank holds a slice of the width (gate_up column-, down row-parallel) and returns
+    its partial sum: the block all-reduces once (``row_partial``)."""
 
     def __init__(self, cfg: LlamaConfig, intermediate: int):
-        super().__init__(dataclasses.replace(cfg, intermediate_size=intermediate))
+        super().__init__(dataclasses.replace(cfg, intermediate_size=intermediate), down_tp="row_partial")
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + experts (+ Qwen2-MoE's shared expert, scaled by ``sigmoid(shared_expert_gate(x))``)."""
+    """Router + experts (+ Qwen2-MoE's shared expert, scaled by ``sigmoid(shared_expert_gate(x))``).
+
+    Tensor parallel: the router and the shared expert's gate are replicated (every rank routes its
+    whole input alike), each expert's width is split (``ExpertMLP``), and the weighted sum of the
+    rank's partial expert outputs is all-reduced once: sum over ranks of sum over experts equals the
+    unsharded block, since routing weights and the sigmoid gate scale whole rows."""
 
     def __init__(self, cfg: MoeConfig):
         super().__init__()
+        self.tp_group = get_tp_group()
         self.gate = Router(cfg.num_experts, cfg.hidden_size, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                            cfg.weights_in_logits_dtype)
         self.experts = nn.ModuleList(ExpertMLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
@@ -128,6 +137,8 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             g = torch.sigmoid(torch.nn.functional.linear(x, self.shared_expert_gate.weight))
             out = out + g * self.shared_expert(x)
+        if self.tp_group.is_parallel:
+            out = self.tp_group.communicator.all_reduce_(out)
         return out
 
     def _native_experts(self):
@@ -216,5 +227,21 @@ class MoeForCausalLM(LlamaForCausalLM):
                 yield f"{prefix}.{e}.up_proj.weight", value[e, i:]
 
 
+# tensor parallel: attention as llama's; each expert's width split, router replicated (SparseMoeBlock)
+supports_tensor_parallel = True
+
+
+def parse_config(architecture: str, hf_config: dict) -> MoeConfig:
+    return MoeConfig.from_hf(hf_config, ARCHS[architecture], architecture)
+
+
+def check_tp_sizes(cfg: MoeConfig, tp: int) -> None:
+    """llama's sizes (the dense layers' MLP too) and each expert's width (and the shared expert's)."""
+    more = {"moe_intermediate_size": cfg.moe_intermediate_size}
+    if cfg.shared_expert_intermediate_size:
+        more["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    llama.check_tp_sizes(cfg, tp, more)
+
+
 def build(architecture: str, hf_config: dict) -> MoeForCausalLM:
-    return MoeForCausalLM(MoeConfig.from_hf(hf_config, ARCHS[architecture], architecture))
+    return MoeForCausalLM(parse_config(architecture, hf_config))

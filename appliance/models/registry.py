@@ -62,6 +62,14 @@ def tensor_parallel_architectures() -> list[str]:
 
 
 def family_config(architecture: str, hf_config: dict):
-    """The family's parsed config of ``hf_config`` (``LlamaConfig`` for llama.py's architectures)."""
+    """The family's parsed config of ``hf_config`` (``LlamaConfig`` for llama.py's architectures; a
+    family module with its own config class says how through ``parse_config``)."""
     mod = _REGISTRY[architecture]
+    if hasattr(mod, "parse_config"):
+        return mod.parse_config(architecture, hf_config)
     return mod.LlamaConfig.from_hf(hf_config, mod.ARCHS[architecture])
+
+
+def check_tp_sizes(architecture: str, hf_config: dict, tp: int) -> None:
+    """The family's refusal of a tensor-parallel size its sizes do not split by (``check_tp_sizes``)."""
+    _REGISTRY[architecture].check_tp_sizes(family_config(architecture, hf_config), tp)

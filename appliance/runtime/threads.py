@@ -381,10 +381,22 @@ def engine_placement(spec: str, num_threads: int | None, tensor_parallel_size: i
     (``appliance.distributed.executor``)."""
     if tensor_parallel_size <= 1:
         return resolve(spec, num_threads)
-    ranks = resolve_ranks(spec, tensor_parallel_size, num_threads)
+    return ranks_union(resolve_ranks(spec, tensor_parallel_size, num_threads), spec)
+
+
+def ranks_union(ranks: list[Placement], spec: str) -> Placement:
+    """The placement of a process that is rank 0 of ``ranks`` and starts the others: every rank's CPUs,
+    rank 0's first (unpinned when the ranks are)."""
     if any(p.cpus is None for p in ranks):  # nobind
         return Placement(sum(p.num_threads for p in ranks), None, None, spec)
     cpus = tuple(c for p in ranks for c in p.cpus)
     nodes = {p.numa_node for p in ranks}
     return Placement(len(cpus), cpus, nodes.pop() if len(nodes) == 1 else None, spec,
                      tuple(w for p in ranks for w in p.warnings))
+
+
+def rank_lists_spec(ranks: list[Placement]) -> str:
+    """``ranks`` as an explicit ``--omp-threads-bind`` value ("0-1|2-3"), or "nobind" when unpinned."""
+    if any(p.cpus is None for p in ranks):
+        return "nobind"
+    return "|".join(format_cpu_list(list(p.cpus)) for p in ranks)

@@ -55,37 +55,68 @@ def _spec_totals(per: list[dict]) -> dict:
     return t
 
 
-def replica_placements(config: EngineConfig, allowed: set[int] | None = None) -> list[threads.Placement]:
-    """One Placement per replica (``threads.resolve_ranks``: one '|'-separated CPU list per replica,
-    ``auto`` = one replica per NUMA node or the physical cores split evenly, ``nobind``), or
-    ApplianceError naming the flag, the value and what is valid. On top of resolve_ranks, which
-    only warns about oversubscription: replicas x threads per replica must fit the cores, since
-    replicas that time-share cores would each run slower than one engine on all of them."""
-    n = config.data_parallel_size
+def replica_rank_groups(config: EngineConfig, allowed: set[int] | None = None) -> list[list[threads.Placement]]:
+    """Each replica's tensor-parallel ranks' Placements (``threads.resolve_ranks`` over data-parallel
+    size x tensor-parallel size ranks, replica i's ranks the i-th run of ``tensor_parallel_size``):
+    "0-31|32-63|64-95|96-127" one list per rank, replica by replica; ``auto`` one rank per NUMA node
+    when there are enough nodes, else the physical cores split evenly; ``nobind``. ApplianceError
+    naming the flags, the value and what is valid. On top of resolve_ranks, which only warns about
+    oversubscription: ranks x threads per rank must fit the cores, since ranks that time-share cores
+    would each run slower than one engine on all of them."""
+    n, tp = config.data_parallel_size, config.tensor_parallel_size
+    total = n * tp
     allowed = set(os.sched_getaffinity(0)) if allowed is None else set(allowed)
     spec = (config.omp_threads_bind or "auto").strip()
     nt = config.num_threads
     cores = len(threads.one_cpu_per_core(sorted(allowed)))
-    if "|" not in spec and n > cores:
-        raise ApplianceError(_too_many(n, max(nt or 1, 1), cores, nt, spec))
-    out = threads.resolve_ranks(spec, n, nt, allowed)
-    if n > 1:
+    if "|" not in spec and total > cores:
+        raise ApplianceError(_too_many(n, tp, max(nt or 1, 1), cores, nt, spec))
+    out = threads.resolve_ranks(spec, total, nt, allowed)
+    if total > 1:
         if spec == "nobind":
             if sum(p.num_threads for p in out) > len(allowed):
-                raise ApplianceError(_too_many(n, out[0].num_threads, len(allowed), nt, spec))
+                raise ApplianceError(_too_many(n, tp, out[0].num_threads, len(allowed), nt, spec))
         else:
             for p in out:
                 if p.cpus and p.num_threads > len(p.cpus):
                     have = sum(len(q.cpus or ()) for q in out)
-                    raise ApplianceError(_too_many(n, p.num_threads, have, nt, spec))
+                    raise ApplianceError(_too_many(n, tp, p.num_threads, have, nt, spec))
+    return [out[i * tp:(i + 1) * tp] for i in range(n)]
+
+
+def replica_placements(config: EngineConfig, allowed: set[int] | None = None) -> list[threads.Placement]:
+    """One Placement per replica: its rank's, or with tensor parallelism every one of its ranks' CPUs
+    (the replica's engine process is its rank 0 and starts the others; ``threads.ranks_union``)."""
+    spec = (config.omp_threads_bind or "auto").strip()
+    groups = replica_rank_groups(config, allowed)
+    return [g[0] if len(g) == 1 else threads.ranks_union(g, spec) for g in groups]
+
+
+def replica_configs(config: EngineConfig, groups: list[list[threads.Placement]]) -> list[EngineConfig]:
+    """Each replica's own config. Without tensor parallelism the set's (the replica's placement is
+    given to its process directly). With it, replica i's copy has ``data_parallel_rank=i`` and its
+    ranks' CPU lists as its ``omp_threads_bind`` (unpinned ranks: nobind with the threads planned
+    for each), which its tensor-parallel executor resolves as one engine would."""
+    if config.tensor_parallel_size == 1:
+        return [config] * len(groups)
+    out = []
+    for i, g in enumerate(groups):
+        spec = threads.rank_lists_spec(g)
+        out.append(config.replace(data_parallel_rank=i, omp_threads_bind=spec,
+                                  num_threads=g[0].num_threads if spec == "nobind" else config.num_threads))
     return out
 
 
-def _too_many(n: int, per: int, have: int, nt: int | None, spec: str = "nobind") -> str:
+def _too_many(n: int, tp: int, per: int, have: int, nt: int | None, spec: str = "nobind") -> str:
     what = f"--num-threads {nt}" if nt else "at least 1 thread"
-    return (f"--data-parallel-size {n} x {what} per replica = {n * per} threads, but --omp-threads-bind {spec!r} "
-            f"gives {have} CPU core(s); valid: --data-parallel-size <= {have}"
-            + (f" and --num-threads <= {max(1, have // n)}" if nt else ""))
+    if tp == 1:
+        return (f"--data-parallel-size {n} x {what} per replica = {n * per} threads, but --omp-threads-bind "
+                f"{spec!r} gives {have} CPU core(s); valid: --data-parallel-size <= {have}"
+                + (f" and --num-threads <= {max(1, have // n)}" if nt else ""))
+    return (f"--data-parallel-size {n} x --tensor-parallel-size {tp} = {n * tp} ranks x {what} per rank = "
+            f"{n * tp * per} threads, but --omp-threads-bind {spec!r} gives {have} CPU core(s); valid: "
+            f"--data-parallel-size x --tensor-parallel-size <= {have}"
+            + (f" and --num-threads <= {max(1, have // (n * tp))}" if nt else ""))
 
 
 def check_backend(config: EngineConfig) -> None:
@@ -113,7 +144,10 @@ class DPEngineClient:
         check_backend(config)
         self.config = config
         self.log_level = log_level
-        self.placements = replica_placements(config)
+        self.rank_groups = replica_rank_groups(config)
+        spec = (config.omp_threads_bind or "auto").strip()
+        self.placements = [g[0] if len(g) == 1 else threads.ranks_union(g, spec) for g in self.rank_groups]
+        configs = replica_configs(config, self.rank_groups)
         self.info: dict = {}
         self.dead: str | None = None
         self.last_stats: dict = {}
@@ -121,11 +155,12 @@ class DPEngineClient:
         if config.distributed_executor_backend == "ray":
             from appliance.server.ray_executor import RayEngineClient, RayReplicaSet
 
-            self._ray = RayReplicaSet(self.placements)
+            # a replica actor is its rank 0; its other ranks are actors of their own (ray_ranks)
+            self._ray = RayReplicaSet(self.placements, bundle_threads=[g[0].num_threads for g in self.rank_groups])
             self.replicas: list[AsyncEngineClient] = [
-                RayEngineClient(config, self._ray, i, log_level) for i in range(len(self.placements))]
+                RayEngineClient(c, self._ray, i, log_level) for i, c in enumerate(configs)]
         else:
-            self.replicas = [AsyncEngineClient(config, log_level) for _ in self.placements]
+            self.replicas = [AsyncEngineClient(c, log_level) for c in configs]
         for i, (r, p) in enumerate(zip(self.replicas, self.placements)):
             r.placement = p
             r.name = f"appliance-engine-core-{i}"
@@ -186,8 +221,10 @@ class DPEngineClient:
         info["data_parallel_size"] = n
         info["distributed_executor_backend"] = self.config.distributed_executor_backend
         info["replicas"] = [{"pid": i["pid"], "num_threads": i["num_threads"], "num_kv_blocks": i["num_kv_blocks"],
-                             "cpus": threads.format_cpu_list(list(p.cpus)) if p.cpus else "not pinned"}
-                            for i, p in zip(infos, self.placements)]
+                             "cpus": threads.format_cpu_list(list(p.cpus)) if p.cpus else "not pinned",
+                             **({"ranks": threads.rank_lists_spec(g), "tensor_parallel": i.get("tensor_parallel")}
+                                if len(g) > 1 else {})}
+                            for i, p, g in zip(infos, self.placements, self.rank_groups)]
         self.info = info
         return info
 
@@ -290,4 +327,5 @@ class DPEngineClient:
         return on_dead
 
 
-__all__ = ["DPEngineClient", "check_backend", "replica_placements", "uses_replica_set"]
+__all__ = ["DPEngineClient", "check_backend", "replica_configs", "replica_placements", "replica_rank_groups",
+           "uses_replica_set"]

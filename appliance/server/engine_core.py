@@ -165,8 +165,17 @@ def engine_info(engine) -> dict:
         "speculative": engine.spec.describe() if getattr(engine, "spec", None) is not None else None,
         "num_threads": torch.get_num_threads(),
         "pid": os.getpid(),
+        **tensor_parallel_info(runner),
         **pooling_info(engine),
     }
+
+
+def tensor_parallel_info(runner) -> dict:
+    """A tensor-parallel engine's ranks (``distributed.executor.TPExecutor``): size, all-reduce, workers."""
+    if getattr(runner, "world_size", 1) <= 1:
+        return {}
+    return {"tensor_parallel": {"world_size": runner.world_size, "communicator": runner.communicator,
+                                "worker_pids": [p.pid for p in runner.procs]}}
 
 
 def pooling_info(engine) -> dict:

@@ -194,9 +194,15 @@ def print_banner(engine_config: EngineConfig, server: ServerConfig, names: list[
                             f"{'normalized' if pc.get('normalize') else 'not normalized'})")
     t.add_row("auth", "API key required" if server.api_keys else "none (set --api-key or APPLIANCE_API_KEY)")
     t.add_row("engine", f"core process pid {info['pid']}")
+    if info.get("tensor_parallel"):
+        tp = info["tensor_parallel"]
+        t.add_row("tensor parallel", f"{tp['world_size']} ranks ({tp['communicator']}); workers "
+                  + ", ".join(f"pid {p}" for p in tp["worker_pids"]))
     if info.get("replicas"):
         t.add_row("data parallel", f"{len(info['replicas'])} replicas ({info['distributed_executor_backend']}): "
-                  + "; ".join(f"pid {r['pid']} CPUs {r['cpus']}" for r in info["replicas"]))
+                  + "; ".join(f"pid {r['pid']} CPUs {r['cpus']}"
+                              + (f" (tensor parallel: ranks on {r['ranks']})" if r.get("ranks") else "")
+                              for r in info["replicas"]))
     if info.get("runtime"):
         from appliance.runtime.worker import describe
 

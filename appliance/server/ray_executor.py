@@ -135,9 +135,13 @@ class EngineCoreActor:
 class RayReplicaSet:
     """The Ray side of a replica set: Ray itself, the placement group (one bundle per replica), the actors."""
 
-    def __init__(self, placements: list, name: str = "appliance-replicas"):
+    def __init__(self, placements: list, name: str = "appliance-replicas", bundle_threads: list[int] | None = None):
+        """``bundle_threads``: each actor's CPUs in its bundle when not its placement's threads (a
+        tensor-parallel replica's actor is its rank 0; its other ranks reserve theirs as actors of
+        their own, out of the CPUs Ray is started with: every placement's threads)."""
         self.placements = placements
         self.name = name
+        self.bundle_threads = bundle_threads or [p.num_threads for p in placements]
         self.pg = None
         self.started_ray = False
 
@@ -156,7 +160,7 @@ class RayReplicaSet:
                          include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True,
                          logging_level=logging.WARNING)
             self.started_ray = True
-        bundles = [{"CPU": p.num_threads} for p in self.placements]
+        bundles = [{"CPU": t} for t in self.bundle_threads]
         self.pg = placement_group(bundles, strategy="PACK", name=self.name)
         try:
             ray.get(self.pg.ready(), timeout=60)
@@ -169,9 +173,9 @@ class RayReplicaSet:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        p = self.placements[index]
         return ray.remote(cls).options(
-            num_cpus=p.num_threads, max_concurrency=4, max_restarts=0, name=name or f"appliance-engine-core-{index}",
+            num_cpus=self.bundle_threads[index], max_concurrency=4, max_restarts=0,
+            name=name or f"appliance-engine-core-{index}",
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                                  placement_group_bundle_index=index),
             runtime_env={"env_vars": env},

@@ -244,3 +244,36 @@ def test_dead_rank_is_reported_not_waited_for(tmp_path):
     assert rep["error"] and "rank 1 (pid" in rep["error"] and "exited" in rep["error"], rep
     assert rep["seconds"] < 30  # noticed the exit, well before the 60 s timeout
     assert "failed earlier" in rep["again"]
+
+
+def test_killed_child_rank_is_noticed_while_still_a_zombie():
+    """Rank 0 is its peer's parent (a tensor-parallel engine and its spawned worker): the killed peer
+    stays a zombie until rank 0 reaps it, and kill(pid, 0) still succeeds on a zombie. The wait must
+    see it as dead at once, not wait out the timeout (60 s here)."""
+    import signal
+
+    name = new_segment_name()
+    seg = ShmSegment(name, 2, 0, True, 1 << 16, 60.0, wait=False)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\n"
+         "from appliance.distributed.shm_allreduce import ShmSegment\n"
+         f"seg = ShmSegment({name!r}, 2, 1, False, 1 << 16, 60.0)\n"
+         "print('attached', flush=True)\ntime.sleep(600)\n"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert child.stdout.readline().strip() == "attached"
+        seg.wait_attached()
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the killed child never became a zombie"
+            time.sleep(0.01)
+        os.kill(child.pid, 0)  # still there for kill(): a zombie, not reaped
+        t0 = time.monotonic()
+        with pytest.raises(ShmAllReduceError, match=rf"rank 1 \(pid {child.pid}\) exited; rank 0 was waiting"):
+            seg.all_reduce_(torch.ones(16))
+        assert time.monotonic() - t0 < 10
+    finally:
+        child.kill()
+        child.wait()
+        seg.close()

@@ -30,10 +30,11 @@ def test_tp_size_must_be_positive_and_fit_the_cpus():
         EngineConfig(tensor_parallel_size=0)
 
 
-def test_tp_with_data_parallel_is_refused_naming_the_flags():
-    with pytest.raises(InvalidRequestError, match=r"--tensor-parallel-size 2 with --data-parallel-size 2") as e:
-        EngineConfig(tensor_parallel_size=2, data_parallel_size=2)
-    assert e.value.param == "data_parallel_size"
+def test_tp_with_data_parallel_needs_a_bind_list_per_rank():
+    # DP x TP itself is tests/distributed/test_dp_tp.py; here: 2 x 2 ranks need 4 lists
+    with pytest.raises(InvalidRequestError, match=r"2 CPU lists \('\|' separates ranks\) for 4 rank\(s\)") as e:
+        EngineConfig(tensor_parallel_size=2, data_parallel_size=2, omp_threads_bind="0|1")
+    assert e.value.param == "omp_threads_bind"
     # ranks as Ray actors are accepted (tests/distributed/test_tp_ray.py)
     assert EngineConfig(tensor_parallel_size=2, distributed_executor_backend="ray").tensor_parallel_size == 2
 

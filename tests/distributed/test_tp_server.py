@@ -62,6 +62,8 @@ def test_serve_tp2_completes_and_fails_clearly_when_a_rank_dies(llama_dir):
         workers = [p for p in family if p.ppid() != proc.pid]
         assert len(workers) == 1, [(p.pid, p.ppid(), p.cmdline()[-1:]) for p in family]
         assert workers[0].cpu_affinity() == [cpus[1]]  # rank 1 on its list
+        banner = Path(log.name).read_text(errors="replace")
+        assert "tensor parallel" in banner and "2 ranks (shm)" in banner, banner
         os.kill(workers[0].pid, signal.SIGKILL)
         t0 = time.monotonic()
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)

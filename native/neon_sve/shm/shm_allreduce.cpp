@@ -99,7 +99,27 @@ void set_err(char* err, size_t errlen, const char* fmt, ...) {
   va_end(ap);
 }
 
-bool alive(int32_t pid) { return pid <= 0 || kill(pid, 0) == 0 || errno != ESRCH; }
+// A killed peer that is a child of this process stays a zombie until its parent reaps it, and
+// kill(pid, 0) still succeeds on a zombie: rank 0 of a tensor-parallel engine is its workers' parent
+// and would wait out the whole timeout in a collective. /proc/<pid>/stat's state 'Z' (or 'X') is dead.
+bool zombie(int32_t pid) {
+  char path[48];
+  snprintf(path, sizeof path, "/proc/%d/stat", int(pid));
+  FILE* f = fopen(path, "r");
+  if (!f) return false;  // no /proc (or another pid namespace): kill() alone decides
+  char buf[256];
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  const char* close_paren = strrchr(buf, ')');  // "pid (comm) S ...": comm may hold spaces and ')'
+  return close_paren && (close_paren[1] == ' ') && (close_paren[2] == 'Z' || close_paren[2] == 'X');
+}
+
+bool alive(int32_t pid) {
+  if (pid <= 0) return true;
+  if (kill(pid, 0) != 0) return errno != ESRCH;
+  return !zombie(pid);
+}
 
 // Wait until flags[j] == seq for every rank j. False (with a message) on timeout or a dead peer.
 bool wait_all(Handle* h, Flag* flags, uint32_t seq, const char* phase, char* err, size_t errlen) {
