@@ -53,15 +53,13 @@ static inline int chunk_blocks_for(int BS, int D, size_t elem) {
 
 #include "kv_codes.h"
 
-// S[r * lds + j] *= s[j] for r < M, j < n: a tile's per-token scales folded into its score (or
-// softmax weight) columns (AK_KV_CODES).
-static inline void kv_scale_columns(float* S, int lds, int M, const float* s, int n) {
-  for (int r = 0; r < M; ++r) {
-    float* sr = S + (int64_t)r * lds;
-#pragma omp simd
-    for (int j = 0; j < n; ++j) sr[j] *= s[j];
-  }
-}
+// A variant that reads quantized codes in place (AK_KV_CODES) gets scores and P.V products of the
+// codes' values; run_item applies the per-token scales to whole rows of a softmax chunk (see there).
+#ifdef AK_KV_CODES
+constexpr bool kKvCodesInPlace = true;
+#else
+constexpr bool kKvCodesInPlace = false;
+#endif
 
 #ifndef AK_KV_DEQUANT_TILE
 // out[j * D + d] = value(q[j * D + d]) * s[j] for j < n: one cached tile (n tokens of a KV head).
@@ -146,7 +144,8 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
   const int M = nh * Mh;
   const int W = chunk_blocks_for(BS, D, sizeof(KT)) * BS;
   // Workspace: Q [cap*D] | qpack [(cap + 2*nh)*D] | acc [cap*D] | S [cap*W] | m | l | lim | low [cap]
-  // | deq [BS*D] (a dequantized tile, quantized KV only) with cap >= M rows (sized in
+  // | deq [BS*D] (a dequantized tile) | ksc, vsc [num_kv_heads*W] each (the chunk's K and V scales per
+  // KV head, contiguous; the last two quantized KV only) with cap >= M rows (sized in
   // paged_attention_kt as ws_floats).
   float* Q = ws;
   float* qpack = Q + (int64_t)cap * D;
@@ -158,6 +157,13 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
   int* low = lim + cap;
   float* deq = reinterpret_cast<float*>(low + cap);
   (void)deq;  // unused where the variant reads codes directly (AK_KV_CODES)
+  float* ksc = deq + (int64_t)BS * D;
+  float* vsc = ksc + (int64_t)a.num_kv_heads * W;
+  // codes read in place: each row's scores of a chunk are taken times its K scales (q.(c_j * s_j) =
+  // s_j * (q.c_j)), and once the chunk's softmax sums are taken, its weights times the V scales
+  // (p_j * (c_j * s_j) = (p_j * s_j) * c_j): two multiplies per row and column of the chunk, over
+  // contiguous rows, rather than per element or per 16-column block
+  constexpr bool fold_scales = KvQuant<KT>::value && kKvCodesInPlace;
   const int win = a.sliding_window;
   const float cap_c = a.logits_soft_cap, inv_cap_c = cap_c > 0.f ? 1.f / cap_c : 0.f;
   auto qpack_of = [&](int hh) { return qpack + (int64_t)hh * (Mh + 2) * D; };
@@ -227,9 +233,10 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
         float* sb = S + (int64_t)hh * Mh * W + b * BS;
         if constexpr (KvQuant<KT>::value) {
 #ifdef AK_KV_CODES
-          // scores of the codes, then times each column's scale: q.(c_j * s_j) = s_j * (q.c_j)
+          // scores of the codes; the block's K and V scales gathered for the chunk's rows
           qk_tile<KT>(Q + (int64_t)hh * Mh * D, qpack_of(hh), Mh, kc + off, n, D, sb, W);
-          kv_scale_columns(sb, W, Mh, a.k_scale + off / D, n);
+          std::memcpy(ksc + (int64_t)hh * W + b * BS, a.k_scale + off / D, sizeof(float) * (size_t)n);
+          std::memcpy(vsc + (int64_t)hh * W + b * BS, a.v_scale + off / D, sizeof(float) * (size_t)n);
 #else
           kv_dequant_tile<KT>(kc + off, a.k_scale + off / D, n, D, deq);
           qk_tile<float>(Q + (int64_t)hh * Mh * D, qpack_of(hh), Mh, deq, n, D, sb, W);
@@ -251,6 +258,11 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
       for (int j = 0; j < j0; ++j) s[j] = 0.f;
       float* sv = s + j0;
       const int nv = nr - j0;
+      if constexpr (fold_scales) {
+        const float* ks = ksc + (int64_t)(r / Mh) * W + j0;
+#pragma omp simd
+        for (int j = 0; j < nv; ++j) sv[j] *= ks[j];
+      }
       if (cap_c > 0.f)
         for (int j = 0; j < nv; ++j) sv[j] = cap_c * std::tanh(sv[j] * inv_cap_c);
       // `omp simd` reductions let the compiler vectorize (reorder) these for the variant's ISA.
@@ -263,6 +275,11 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int j = 0; j < nv; ++j) sum += sv[j];
+      if constexpr (fold_scales) {
+        const float* vs = vsc + (int64_t)(r / Mh) * W + j0;
+#pragma omp simd
+        for (int j = 0; j < nv; ++j) sv[j] *= vs[j];
+      }
       for (int j = nr; j < cw; ++j) s[j] = 0.f;
       if (m_new > m[r]) {
         const float alpha = exp_scalar(m[r] - m_new);  // 0 on the first chunk of the row
@@ -282,9 +299,7 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
         const float* pb = S + (int64_t)hh * Mh * W + b * BS;
         if constexpr (KvQuant<KT>::value) {
 #ifdef AK_KV_CODES
-          // the chunk's softmax sums are taken, so its weights can carry V's scales:
-          // p_j * (c_j * s_j) = (p_j * s_j) * c_j
-          kv_scale_columns(S + (int64_t)hh * Mh * W + b * BS, W, Mh, a.v_scale + off / D, n);
+          // the weights carry V's scales already (the softmax loop above)
           pv_tile<KT>(acc + (int64_t)hh * Mh * D, Mh, pb, W, vc + off, n, D);
 #else
           kv_dequant_tile<KT>(vc + off, a.v_scale + off / D, n, D, deq);
@@ -430,7 +445,7 @@ static void paged_attention_kt(const AttentionArgs& a) {
   const int cap = std::max(kMaxTileRows, qt * G);
   const int64_t ws_floats =
       (int64_t)cap * D * 3 + 2 * (int64_t)a.num_kv_heads * D + (int64_t)cap * W + 4 * cap + 64 +
-      (KvQuant<KT>::value ? (int64_t)BS * D : 0);
+      (KvQuant<KT>::value ? (int64_t)BS * D + 2 * (int64_t)a.num_kv_heads * W : 0);
   const int64_t num_items = (int64_t)items.size();
   const int64_t num_merges = (int64_t)merges.size();
 #pragma omp parallel if (num_items > 1)
