@@ -64,4 +64,5 @@ def tensor_parallel_architectures() -> list[str]:
 def family_config(architecture: str, hf_config: dict):
     """The family's parsed config of ``hf_config`` (``LlamaConfig`` for llama.py's architectures)."""
     mod = _REGISTRY[architecture]
-    return mod.LlamaConfig.from_hf(hf_config, mod.ARCHS[architecture])
+    cls = getattr(mod, "FAMILY_CONFIG", None) or mod.LlamaConfig  # gemma.py: GemmaConfig
+    return cls.from_hf(hf_config, mod.ARCHS[architecture])
