@@ -16,7 +16,7 @@ Pairs (random weights, transformers' init, written once under ~/.cache/appliance
 Load: ``load s (warm)`` is the engine's load with the files in the page cache; ``of it timing s`` the part
 spent timing linear-backend candidates, a one-off per host and shape kept in linear_backends.json, so the
 model of a pair that loads first pays for the shapes both share (the qkv, o, down and 262144-row logits
-projections of the Gemma pair: the 4.5x "load" of session 10 was that, not Gemma); ``load s (no timing)``
+projections of the Gemma pair: the 4.5x "load" of session 10 was that, not Gemma); ``load s, no timing``
 is the load without it, the column to compare.
 
 Each model runs in a fresh process: ``appliance.LLM(dir, dtype=float32, num_threads=T)``, one
@@ -248,7 +248,7 @@ def run_worker(spec: dict, timeout: float) -> dict:
 
 
 COLUMNS = [("read_s", "file read s", ".1f"), ("load_s", "load s (warm)", ".1f"), ("choice_s", "of it timing s", ".1f"),
-           ("load_cached_s", "load s (no timing)", ".1f"), ("b1_prefill_tok_s", "b1 prefill tok/s", ".1f"),
+           ("load_cached_s", "load s, no timing", ".1f"), ("b1_prefill_tok_s", "b1 prefill tok/s", ".1f"),
            ("b1_tpot_ms", "b1 TPOT ms", ".1f"), ("bB_out_tok_s", "bB out tok/s", ".2f"),
            ("bB_tpot_ms", "bB TPOT ms", ".1f"), ("b1_weights_mb", "b1 weights MB", ".0f"),
            ("bB_weights_mb", "bB weights MB", ".0f")]
