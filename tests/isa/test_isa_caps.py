@@ -27,7 +27,8 @@ from appliance.runtime.cpu_features import detect
 REPO = Path(__file__).resolve().parents[2]
 KERNEL_AND_LINEAR = ["tests/ops", "tests/quant/test_kernels.py", "tests/quant/test_host_support.py",
                      "tests/quant/test_checkpoints.py", "tests/quant/test_gguf_direct.py",
-                     "tests/unit/test_backend_choice.py", "tests/model/test_parity.py", "tests/model/test_gemma_fused.py",
+                     "tests/unit/test_backend_choice.py", "tests/model/test_parity.py",
+                     "tests/model/test_gemma_fused.py",
                      "tests/model/test_kv_cache_dtype.py", "tests/quant/test_lowbit_native.py",
                      "tests/quant/test_kquant_scales.py"]
 QUALITY = ["tests/quant/test_default_model_quality.py"]
