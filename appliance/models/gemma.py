@@ -13,7 +13,11 @@ What differs from Llama (held against transformers' modeling_gemma2.py / modelin
   base and rope scaling for global ones);
 - Gemma 3: per-head q/k RMSNorm before RoPE.
 
-The one-call native decoder stack (``ops.native.llama_layers``) is Llama-shaped; Gemma always runs op by op.
+With native ops and every projection on a method the stack applies, the decoder layers run as one native
+call (``ops.native.llama_layers`` with its Gemma extras: sandwich norms, GeGLU, a RoPE table per layer, the
+attention soft-cap), the same kernels as the per-op path in its order; else op by op.
+
+Tensor parallel shards as Llama does (``models/llama.py``): heads, the MLP width and the vocabulary.
 """
 from __future__ import annotations
 
@@ -23,15 +27,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from appliance.distributed.parallel_state import get_tp_group
 from appliance.errors import ModelLoadError
 from appliance.layers.attention import Attention, layer_sliding_windows
-from appliance.layers.forward_context import current_ops
+from appliance.layers.forward_context import current_ops, get_forward_context
 from appliance.layers.linear import Linear
 from appliance.layers.norm import OffsetRMSNorm
 from appliance.layers.rotary import build_inv_freq, check_rope, cos_sin_cache
 from appliance.layers.vocab import VocabEmbedding, tied_lm_head
 from appliance.models.config_checks import check_config
-from appliance.models.llama import fused_param_for
+from appliance.models.llama import check_tp_sizes, fused_linear_entries, fused_param_for
 
 log = logging.getLogger("appliance")
 
@@ -186,14 +191,17 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: GemmaConfig, layer_idx: int):
         super().__init__()
         d = cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        # tensor parallel (as Llama): this rank's query and KV heads; the projections keep their rank's part
+        tp = get_tp_group().world_size
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp, d
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, shards={
-            "q_proj": (0, self.q_size),
-            "k_proj": (self.q_size, self.kv_size),
-            "v_proj": (self.q_size + self.kv_size, self.kv_size),
-        })
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        q_full, kv_full = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        self.qkv_proj = Linear(cfg.hidden_size, q_full + 2 * kv_full, bias=cfg.attention_bias, shards={
+            "q_proj": (0, q_full),
+            "k_proj": (q_full, kv_full),
+            "v_proj": (q_full + kv_full, kv_full),
+        }, tp="column")
+        self.o_proj = Linear(q_full, cfg.hidden_size, bias=cfg.attention_bias, tp="row")
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = OffsetRMSNorm(d, cfg.rms_norm_eps)
@@ -223,8 +231,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: GemmaConfig):
         super().__init__()
         i = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * i, shards={"gate_proj": (0, i), "up_proj": (i, i)})
-        self.down_proj = Linear(i, cfg.hidden_size)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * i, shards={"gate_proj": (0, i), "up_proj": (i, i)},
+                                   tp="column")
+        self.down_proj = Linear(i, cfg.hidden_size, tp="row")
         self.approximate = cfg.gelu_approximate
 
     def forward(self, x):
@@ -258,7 +267,7 @@ class DecoderLayer(nn.Module):
 class Model(nn.Module):
     def __init__(self, cfg: GemmaConfig):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp=True)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -275,11 +284,14 @@ class GemmaForCausalLM(nn.Module):
     def __init__(self, cfg: GemmaConfig):
         super().__init__()
         self.config = cfg
+        self.tp_group = get_tp_group()
+        check_tp_sizes(cfg, self.tp_group.world_size)
         self.model = Model(cfg)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, tp="vocab")
         self.cos_sin: dict[str, torch.Tensor] = {}
         self.embed_scale: torch.Tensor | None = None
+        self.fused_calls = 0  # forwards run by the one-call native stack (_fused_layers)
 
     def prepare(self, max_position: int, device: torch.device) -> None:
         """After weights are loaded and cast: a RoPE table per layer type, the norms' float32 factors,
@@ -304,11 +316,86 @@ class GemmaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
         x = self.model.embed_tokens(input_ids) * self.embed_scale
+        fused = self._fused_layers()
+        if fused is not None:
+            return fused(x, positions)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(self.cos_sin, positions, x, residual)
         x, _ = self.model.norm(x, residual)
         return x
+
+    def _fused_layers(self):
+        """The decoder stack as one native call (``ops.native.llama_layers`` with Gemma's extras), or None,
+        under the Llama stack's conditions (``LlamaForCausalLM._fused_layers``): native ops with
+        FUSED_LAYERS, every projection on a method the stack applies, KV caches and activations of one
+        dtype the kernels take, float32 RoPE tables on the CPU, head_dim a multiple of 16."""
+        ctx = get_forward_context()
+        ops = ctx.ops
+        if not getattr(ops, "FUSED_LAYERS", False) or not hasattr(ops, "llama_layers"):
+            return None
+        all_reduce = self.tp_group.communicator.native_all_reduce() if self.tp_group.is_parallel else (0, 0)
+        if all_reduce is None:
+            return None
+        # a new KV cache or a layer packed anew (set_backend) rebuilds the plan
+        key = (id(ctx.kv_caches),) + tuple(id(d.weight) if (d := m.fused_descriptor()) else None
+                                           for m in self._linears(0))
+        plan = self.__dict__.get("_fused_plan")
+        if plan is None or plan[0] != key:
+            plan = (key, self._build_fused_plan(ctx.kv_caches))
+            self.__dict__["_fused_plan"] = plan
+        if plan[1] is None:
+            return None
+        flat, kinds, extras = plan[1]
+        cfg, md = self.config, ctx.attn
+        at = self.model.layers[0].self_attn  # this rank's heads and MLP width
+        intermediate = self.model.layers[0].mlp.down_proj.in_features
+        windows = [layer.self_attn.attn.sliding_window for layer in self.model.layers]
+        act = ops.ACT_GELU_TANH if cfg.gelu_approximate == "tanh" else ops.ACT_GELU
+        shared = self.cos_sin[cfg.layer_types[0]]
+
+        def run(x, positions):
+            self.fused_calls += 1  # which path ran, for tests and benchmarks (equal outputs cannot tell)
+            return ops.llama_layers(
+                x, positions, flat, kinds, windows, self.model.norm.scale, cfg.rms_norm_eps, at.num_heads,
+                at.num_kv_heads, cfg.head_dim, intermediate, at.attn.scale, shared, md.slot_mapping,
+                md.block_table, md.seq_lens, md.query_start_loc, all_reduce, extras=extras, act=act,
+                logits_soft_cap=at.attn.logits_soft_cap)
+        return run
+
+    def _linears(self, i: int):
+        layer = self.model.layers[i]
+        return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+    def _build_fused_plan(self, kv_caches):
+        cfg = self.config
+        if cfg.head_dim % 16 or cfg.num_attention_heads % cfg.num_key_value_heads or not self.cos_sin:
+            return None
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in self.cos_sin.values()):
+            return None
+        dt = self.model.norm.weight.dtype  # the model's dtype (the parameters are cast to it)
+        if dt not in (torch.float32, torch.bfloat16) or len(kv_caches) != len(self.model.layers):
+            return None
+        shared = self.cos_sin[cfg.layer_types[0]]
+        empty = torch.empty(0)
+        flat: list[torch.Tensor] = []
+        kinds: list[int] = []
+        extras: list[torch.Tensor] = []
+        for i, (layer, (kc, vc)) in enumerate(zip(self.model.layers, kv_caches)):
+            at = layer.self_attn
+            descs = [m.fused_descriptor() for m in self._linears(i)]
+            if any(d is None for d in descs) or at.o_proj.bias is not None:
+                return None
+            if kc.dtype != dt or vc.dtype != dt or not (kc.is_contiguous() and vc.is_contiguous()):
+                return None
+            # the norms multiply by OffsetRMSNorm's float32 factor (1 + w), as on the per-op path
+            flat += [layer.input_layernorm.scale, at.q_norm.scale if at.qk_norm else empty,
+                     at.k_norm.scale if at.qk_norm else empty, layer.post_attention_layernorm.scale, kc, vc]
+            fused_linear_entries(descs, flat, kinds, empty)
+            table = self.cos_sin[at.layer_type]
+            extras += [layer.pre_feedforward_layernorm.scale, layer.post_feedforward_layernorm.scale,
+                       empty if table is shared else table]
+        return flat, kinds, extras
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> float32 logits [n, vocab], soft-capped when the config says so."""
@@ -332,6 +419,11 @@ class GemmaForCausalLM(nn.Module):
                 name = new + name[len(old):]
                 break
         return fused_param_for(name)
+
+
+# tensor-parallel support: heads, MLP and vocabulary shard as Llama's (appliance.distributed)
+supports_tensor_parallel = True
+FAMILY_CONFIG = GemmaConfig  # registry.family_config: the parsed config check_tp_sizes reads
 
 
 def build(architecture: str, hf_config: dict) -> GemmaForCausalLM:

@@ -306,10 +306,7 @@ class LlamaForCausalLM(nn.Module):
             # own tensors, then per projection weight, bias and 3 aux tensors, and 4 ints
             flat += [layer.input_layernorm.weight, at.q_norm.weight if at.qk_norm else empty,
                      at.k_norm.weight if at.qk_norm else empty, layer.post_attention_layernorm.weight, kc, vc]
-            for d in descs:
-                aux = tuple(d.aux) + (None,) * (3 - len(d.aux))
-                flat += [d.weight, _or_empty(d.bias, empty), *(_or_empty(a, empty) for a in aux)]
-                kinds += [d.kind, *(tuple(d.ints) + (0,) * (3 - len(d.ints)))]
+            fused_linear_entries(descs, flat, kinds, empty)
         return flat, kinds
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -320,6 +317,16 @@ class LlamaForCausalLM(nn.Module):
         if not self.config.has_lm_head and not name.startswith(("model.", "lm_head.")):
             name = "model." + name  # a saved bare *Model (embedding checkpoints) has no "model." prefix
         return fused_param_for(name)
+
+
+def fused_linear_entries(descs, flat: list, kinds: list, empty: torch.Tensor) -> None:
+    """Append a layer's q/k/v, o, gate/up and down projections in ``llama_layers``' layout: per projection
+    its weight, bias and 3 aux tensors (an empty tensor where it has none) to ``flat``, its kind and 3 ints
+    to ``kinds`` (from the linear methods' ``fused_descriptor``)."""
+    for d in descs:
+        aux = tuple(d.aux) + (None,) * (3 - len(d.aux))
+        flat += [d.weight, _or_empty(d.bias, empty), *(_or_empty(a, empty) for a in aux)]
+        kinds += [d.kind, *(tuple(d.ints) + (0,) * (3 - len(d.ints)))]
 
 
 # tensor-parallel support: the architectures of this file shard (appliance.distributed)

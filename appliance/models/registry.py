@@ -65,9 +65,10 @@ def family_config(architecture: str, hf_config: dict):
     """The family's parsed config of ``hf_config`` (``LlamaConfig`` for llama.py's architectures; a
     family module with its own config class says how through ``parse_config``)."""
     mod = _REGISTRY[architecture]
-    if hasattr(mod, "parse_config"):
+    if hasattr(mod, "parse_config"):  # moe.py
         return mod.parse_config(architecture, hf_config)
-    return mod.LlamaConfig.from_hf(hf_config, mod.ARCHS[architecture])
+    cls = getattr(mod, "FAMILY_CONFIG", None) or mod.LlamaConfig  # gemma.py: GemmaConfig
+    return cls.from_hf(hf_config, mod.ARCHS[architecture])
 
 
 def check_tp_sizes(architecture: str, hf_config: dict, tp: int) -> None:

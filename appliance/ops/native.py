@@ -528,17 +528,28 @@ def llama_layers(embeds: torch.Tensor, positions: torch.Tensor, layers: list[tor
                  windows: list[int], final_norm_w: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
                  intermediate: int, scale: float, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                 all_reduce: tuple[int, int] = (0, 0)) -> torch.Tensor:
+                 all_reduce: tuple[int, int] = (0, 0), extras: list[torch.Tensor] = (), act: int = 0,
+                 logits_soft_cap: float = 0.0) -> torch.Tensor:
     """Every decoder layer of a Llama-family model and its final norm in one native call (see
     ``llama_layers`` in native/neon_sve/bindings/torch_bindings.cpp for the 26 tensors per layer;
     ``kinds``: the ``LinearKind`` and 3 ints of its q/k/v, o, gate/up and down projections, from their linear
     methods' ``fused_descriptor``, appliance/layers/methods; ``windows``: each layer's sliding window,
     0 for full attention). Under tensor parallelism the head counts and ``intermediate`` are this rank's,
     and ``all_reduce`` is the communicator's ``native_all_reduce()`` (function address, handle): the
-    stack sums o_proj's and down_proj's partial outputs through it; (0, 0) on one rank."""
+    stack sums o_proj's and down_proj's partial outputs through it; (0, 0) on one rank.
+
+    Gemma 2/3 (models/gemma.py) add what a Llama call leaves at its default: ``extras``, 3 tensors per layer
+    (pre- and post-feed-forward norm factors, the layer's own cos/sin table or an empty tensor for
+    ``cos_sin``) making each layer sandwich-normed; ``act`` the gate's activation (``ACT_SILU``,
+    ``ACT_GELU_TANH``, ``ACT_GELU``); ``logits_soft_cap`` the attention scores' cap (0: none)."""
     return _require().llama_layers(embeds, positions, layers, kinds, windows, final_norm_w, float(eps), num_heads,
                                    num_kv_heads, head_dim, intermediate, float(scale), cos_sin, slot_mapping,
-                                   block_table, seq_lens, query_start_loc, int(all_reduce[0]), int(all_reduce[1]))
+                                   block_table, seq_lens, query_start_loc, int(all_reduce[0]), int(all_reduce[1]),
+                                   list(extras), int(act), float(logits_soft_cap))
+
+
+# llama_layers' ``act``: the gate's activation (Activation in native/neon_sve/bindings/torch_bindings.cpp)
+ACT_SILU, ACT_GELU_TANH, ACT_GELU = 0, 1, 2
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: list[torch.Tensor],

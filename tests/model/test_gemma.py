@@ -78,22 +78,6 @@ def test_greedy_and_logits_match_transformers(tiny_model_dir, case, backend):
     _assert_matches(llm, path, ids)
 
 
-def test_native_linear_and_ops_run_op_by_op(tiny_model_dir, monkeypatch):
-    """Every linear on the native GEMM and native ops: Gemma never takes the Llama-shaped one-call stack,
-    its gate/up GEMM has no SiLU epilogue, and the tokens and logits are still transformers'."""
-    from appliance.ops import native
-
-    _backend("native")
-    calls = []
-    monkeypatch.setattr(native, "llama_layers", lambda *a, **k: calls.append(1))
-    path = _model(tiny_model_dir, "gemma3")
-    llm = LLM(str(path), dtype="float32", linear_backend="native", attention_backend="native", num_kv_blocks=128)
-    mlps = [m for m in llm.engine.runner.model.modules() if hasattr(m, "gate_up_proj")]
-    assert mlps and not any(m.gate_up_proj.fused_silu_mul for m in mlps)
-    _assert_matches(llm, path, [llm.get_tokenizer().encode(p) for p in PROMPTS])
-    assert calls == []
-
-
 def _run(engine, ids, params, stagger):
     return drive_engine(engine, ids, params, stagger)
 

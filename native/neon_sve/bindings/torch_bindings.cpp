@@ -457,10 +457,20 @@ torch::Tensor apply_linear(const int64_t* ki, const torch::Tensor& x, const torc
 // windows: one int64 per layer, its attention's sliding window (0: full attention).
 // A native gate/up weight is packed for the silu epilogue (its bias in the packed order); the others
 // are followed by silu_and_mul.
+// Gemma 2/3 (appliance/models/gemma.py) add, all optional so a Llama call is unchanged:
+// extras: empty, or kExtraEntries tensors per layer: pre_ff_norm_w, post_ff_norm_w, cos_sin (empty: the
+//   shared table). With them a layer is "sandwich"-normed: post_norm_w normalizes o_proj's output alone,
+//   pre_ff_norm_w is the residual add's norm, post_ff_norm_w normalizes down's output; the norm weights
+//   are the float32 factors (1 + w) of Gemma's offset norm.
+// act: the gate's activation, kActSilu (silu_and_mul; a native gate/up packed for the silu epilogue), or
+//   gelu(gate) * up with torch's tanh (kActGeluTanh) or exact (kActGelu) GELU, as ops gelu_and_mul does.
+// logits_soft_cap: the attention scores' soft cap (Gemma 2), 0: none.
 // Returns the final norm of the last hidden states, [num_tokens, hidden].
 constexpr size_t kLinearEntries = 5;
 constexpr size_t kLinearInts = 4;
 constexpr size_t kLayerEntries = 6 + 4 * kLinearEntries;
+constexpr size_t kExtraEntries = 3;
+enum Activation : int64_t { kActSilu = 0, kActGeluTanh = 1, kActGelu = 2 };
 
 torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& positions,
                            const std::vector<torch::Tensor>& layers, const std::vector<int64_t>& kinds,
@@ -468,10 +478,16 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
                            int64_t head_dim, int64_t intermediate, double scale, const torch::Tensor& cos_sin,
                            const torch::Tensor& slot_mapping, const torch::Tensor& block_table,
                            const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
-                           int64_t allreduce_fn, int64_t allreduce_handle) {
+                           int64_t allreduce_fn, int64_t allreduce_handle,
+                           const std::vector<torch::Tensor>& extras, int64_t act, double logits_soft_cap) {
   TORCH_CHECK(!layers.empty() && layers.size() % kLayerEntries == 0, "llama_layers: ", kLayerEntries,
               " tensors per layer, got ", layers.size());
   const size_t L = layers.size() / kLayerEntries;
+  TORCH_CHECK(extras.empty() || extras.size() == kExtraEntries * L, "llama_layers: extras empty or ",
+              kExtraEntries, " tensors per layer (", kExtraEntries * L, "), got ", extras.size());
+  TORCH_CHECK(act == kActSilu || act == kActGeluTanh || act == kActGelu, "llama_layers: act 0 (silu), "
+              "1 (gelu tanh) or 2 (gelu), got ", act);
+  TORCH_CHECK(logits_soft_cap >= 0, "llama_layers: logits_soft_cap >= 0, got ", logits_soft_cap);
   TORCH_CHECK(kinds.size() == 4 * kLinearInts * L, "llama_layers: ", 4 * kLinearInts, " ints per layer");
   TORCH_CHECK(windows.size() == L, "llama_layers: one window per layer (", L, "), got ", windows.size());
   TORCH_CHECK(embeds.dim() == 2, "llama_layers: embeds [T, hidden]");
@@ -517,6 +533,13 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
     const torch::Tensor* p = &layers[l * kLayerEntries];
     const torch::Tensor* lin = p + 6;  // q/k/v, o, gate/up, down: kLinearEntries each
     const int64_t* ki = &kinds[kLinearInts * 4 * l];
+    const torch::Tensor* ex = extras.empty() ? nullptr : &extras[l * kExtraEntries];
+    torch::Tensor lcs = cs;
+    if (ex && ex[2].numel()) {
+      TORCH_CHECK(ex[2].scalar_type() == torch::kFloat32 && ex[2].is_contiguous() && ex[2].sizes() == cs.sizes(),
+                  "llama_layers: layer ", l, "'s cos_sin float32, contiguous, shaped like cos_sin");
+      lcs = ex[2];
+    }
     torch::Tensor kc = p[4], vc = p[5];
     if (l > 0) {
       auto hn = torch::empty_like(residual);
@@ -531,26 +554,42 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
     if (p[2].numel()) k = head_norm(k, p[2]);
     auto qr = torch::empty({T, num_heads, head_dim}, qkv.options());
     auto kr = torch::empty({T, num_kv_heads, head_dim}, qkv.options());
-    rotary_embedding(pos, q, cs, true, qr);
-    rotary_embedding(pos, k, cs, true, kr);
+    rotary_embedding(pos, q, lcs, true, qr);
+    rotary_embedding(pos, k, lcs, true, kr);
     reshape_and_cache(kr, v, kc, vc, slots);
     auto attn = torch::empty({T, num_heads, head_dim}, qkv.options());
-    paged_attention(qr, kc, vc, bt, sl, qsl, scale, attn, windows[l], 0.0);
+    paged_attention(qr, kc, vc, bt, sl, qsl, scale, attn, windows[l], logits_soft_cap);
     const auto o = linear(ki + kLinearInts, attn.view({T, q_size}), lin + kLinearEntries, hidden);
     reduce_(o);
     auto hn = torch::empty_like(residual);
-    fused_add_rms_norm(o, residual, p[3], eps, hn);
-    torch::Tensor act;
+    if (ex) {  // Gemma: o normed alone, then added to the residual under the pre-feed-forward norm
+      auto on = torch::empty_like(o);
+      rms_norm(o, p[3], eps, on);
+      fused_add_rms_norm(on, residual, ex[0], eps, hn);
+    } else {
+      fused_add_rms_norm(o, residual, p[3], eps, hn);
+    }
+    torch::Tensor a;
     const torch::Tensor* gu_lin = lin + 2 * kLinearEntries;
-    if (ki[2 * kLinearInts] == kLinNative) {
-      act = gemm_f32(hn, gu_lin[0], opt_tensor(gu_lin[1]), 2 * intermediate, true);
+    if (act == kActSilu && ki[2 * kLinearInts] == kLinNative) {
+      a = gemm_f32(hn, gu_lin[0], opt_tensor(gu_lin[1]), 2 * intermediate, true);
     } else {
       const auto gu = linear(ki + 2 * kLinearInts, hn, gu_lin, 2 * intermediate);
-      act = torch::empty({T, intermediate}, gu.options());
-      silu_and_mul(gu, act);
+      if (act == kActSilu) {
+        a = torch::empty({T, intermediate}, gu.options());
+        silu_and_mul(gu, a);
+      } else {  // ops gelu_and_mul (reference.gelu_and_mul): torch's GELU of the gate times up
+        a = at::gelu(gu.narrow(1, 0, intermediate), act == kActGeluTanh ? "tanh" : "none") *
+            gu.narrow(1, intermediate, intermediate);
+      }
     }
-    h = linear(ki + 3 * kLinearInts, act, lin + 3 * kLinearEntries, hidden);
+    h = linear(ki + 3 * kLinearInts, a, lin + 3 * kLinearEntries, hidden);
     reduce_(h);
+    if (ex) {  // Gemma's post-feed-forward norm; the next layer's input norm adds it to the residual
+      auto hn2 = torch::empty_like(h);
+      rms_norm(h, ex[1], eps, hn2);
+      h = hn2;
+    }
   }
   auto out = torch::empty_like(residual);
   fused_add_rms_norm(h, residual, final_norm_w, eps, out);
