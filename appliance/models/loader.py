@@ -249,7 +249,10 @@ def build_model_for(info: ModelInfo, source, device: torch.device) -> torch.nn.M
 
             inherit(q, mod)
             setattr(model.get_submodule(parent) if parent else model, leaf, q)
-    model = model.to_empty(device=device)
+    # Module.to_empty's empty_like of a meta tensor runs torch's Python reference, which imports
+    # torch.fx's symbolic shapes and with them sympy: ~35 MB of modules resident for good, the largest
+    # part of a GGUF load's growth past its weights; empty_strided is the same storage, no import.
+    model = model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
     for m in model.modules():  # symmetric checkpoints carry no zero points
         if _is_quant(m) and m.weight_zero_point is not None:
             m.weight_zero_point.data.zero_()
