@@ -309,6 +309,7 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
     cache, dirty, host = None, False, None
     step_rows = tuple(sorted(set(_PROBE_ROWS) | set(extra_rows)))
     step_rows_key = "" if step_rows == _PROBE_ROWS else f"|rows{'-'.join(map(str, step_rows))}"
+    chosen: dict[int, str] = {}  # id(layer) -> backend
     for m in layers:
         key, rows = _choice_key(m)
         # a layer timed at its own batch sizes (experts) has them in its key; the others are timed at
@@ -316,20 +317,24 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
         rows_key = ""
         if not m.probe_rows:
             rows, rows_key = step_rows, step_rows_key
-        if key in choices:
-            continue
         cands = m.candidates(dtype, device)
         if not cands:
             raise ValueError(f"no linear backend can run layer {key} with dtype {dtype} on {device}")
+        # layers of one shape whose stored formats differ (a GGUF mix: a q/k/v holding a Q8_0 v beside
+        # all-Q5_0 ones) have other candidates: each candidate set is chosen on its own
+        key = f"{key}|{'+'.join(sorted(cands))}"
+        if key in choices:
+            chosen[id(m)] = choices[key]
+            continue
         if requested in cands:
-            choices[key] = requested
+            choices[key] = chosen[id(m)] = requested
             continue
         preferred = getattr(m, "preferred_backend", lambda: None)()  # e.g. a K-quant layer's own scales kept
         if preferred in cands:
-            choices[key] = preferred
+            choices[key] = chosen[id(m)] = preferred
             continue
         if len(cands) == 1:
-            choices[key] = cands[0]
+            choices[key] = chosen[id(m)] = cands[0]
             continue
         if cache is None:
             from appliance.runtime.cpu_features import detect
@@ -340,14 +345,14 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
                 cache = {}
             host = f"{detect().model_name}|{isa_caps()}|{torch.__version__}|{torch.get_num_threads()}t|{dtype!s}"
         # the candidates timed are part of the key: a method added or withdrawn here is timed anew
-        ckey = f"{host}{rows_key}|{key}|{'+'.join(sorted(cands))}"
+        ckey = f"{host}{rows_key}|{key}"
         if ckey not in cache or cache[ckey] not in cands:
             times = m.measure(cands, rows, _time)
             cache[ckey] = min(times, key=times.get)
             log.info("linear %s: relative cost %s -> %s", key, {k: f"{v:.2f}" for k, v in times.items()},
                      cache[ckey])
             dirty = True
-        choices[key] = cache[ckey]
+        choices[key] = chosen[id(m)] = cache[ckey]
     if dirty:
         path = _choice_cache_path()
         try:
@@ -356,11 +361,18 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
         except OSError as e:
             log.warning("could not save linear backend choices to %s: %s", path, e)
     for m in layers:
-        m.set_backend(choices[_choice_key(m)[0]])
+        m.set_backend(chosen[id(m)])
     # {"KxN": backend} for float layers, {"w8a8 KxN": backend} for quantized ones, " rows 1,2,16" appended
-    # where a layer is chosen at its own batch sizes (experts)
-    return {f"{getattr(m, 'scheme', '') + ' ' if hasattr(m, 'scheme') else ''}{m.in_features}x{m.out_features}"
-            f"{_rows_suffix(m)}": choices[_choice_key(m)[0]] for m in layers}
+    # where a layer is chosen at its own batch sizes (experts); layers of one shape chosen differently
+    # (their candidate sets differ) are listed apart, each with its backends in brackets
+    report: dict[str, str] = {}
+    for m in layers:
+        name = (f"{getattr(m, 'scheme', '') + ' ' if hasattr(m, 'scheme') else ''}{m.in_features}x{m.out_features}"
+                f"{_rows_suffix(m)}")
+        if report.get(name, chosen[id(m)]) != chosen[id(m)]:
+            name += f" [{'+'.join(sorted(m.candidates(dtype, device)))}]"
+        report[name] = chosen[id(m)]
+    return report
 
 
 def _rows_suffix(m: LinearBase) -> str:

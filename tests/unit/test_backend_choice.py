@@ -98,3 +98,29 @@ def test_a_candidate_within_the_margin_keeps_every_round():
     fns, timer = _fake({("A", 8): [1.0] * r, ("B", 8): [2.5] + [0.5] * (r - 1)}, calls)
     cost = linear.relative_cost(fns, timer)
     assert calls.count(("B", 8)) == r and min(cost, key=cost.get) == "B"
+
+
+def test_layers_of_one_shape_with_other_candidates_are_chosen_apart(tmp_path, monkeypatch):
+    """Two layers of one shape whose stored formats allow other methods (a GGUF mix: a q/k/v with a
+    Q8_0 v beside all-Q5_0 ones) are chosen each over its own candidates: the first one's choice is
+    never handed to the other (it may not even run there)."""
+    import pytest
+    import torch
+    from torch import nn
+
+    monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(linear.Linear, "measure", lambda self, cands, rows, timer: {c: i for i, c in enumerate(cands)})
+    a, b = linear.Linear(64, 32), linear.Linear(64, 32)
+    cands = a.candidates(torch.float32, torch.device("cpu"))
+    if len(cands) < 2:
+        pytest.skip(f"one float backend on this host ({cands}): nothing is measured")
+    only = cands[-1]
+    b.candidates = lambda dtype, device: [only]  # b can run one method only, not a's choice
+    report = linear.select_backends(nn.Sequential(a, b), "auto", torch.float32, torch.device("cpu"))
+    assert (a.backend, b.backend) == (cands[0], only)
+    assert report == {"64x32": cands[0], f"64x32 [{only}]": only}
+    # and the other way round: the restricted layer first does not decide for the free one
+    c, d = linear.Linear(64, 32), linear.Linear(64, 32)
+    c.candidates = lambda dtype, device: [only]
+    linear.select_backends(nn.Sequential(c, d), "auto", torch.float32, torch.device("cpu"))
+    assert (c.backend, d.backend) == (only, cands[0])
