@@ -30,13 +30,13 @@ from torch import nn
 from appliance.distributed.parallel_state import get_tp_group
 from appliance.errors import ModelLoadError
 from appliance.layers.attention import Attention, layer_sliding_windows
-from appliance.layers.forward_context import current_ops, get_forward_context
+from appliance.layers.forward_context import current_ops
 from appliance.layers.linear import Linear
 from appliance.layers.norm import OffsetRMSNorm
 from appliance.layers.rotary import build_inv_freq, check_rope, cos_sin_cache
 from appliance.layers.vocab import VocabEmbedding, tied_lm_head
 from appliance.models.config_checks import check_config
-from appliance.models.llama import check_tp_sizes, fused_linear_entries, fused_param_for
+from appliance.models.llama import cached_fused_plan, check_tp_sizes, fused_linear_entries, fused_param_for
 
 log = logging.getLogger("appliance")
 
@@ -330,23 +330,11 @@ class GemmaForCausalLM(nn.Module):
         under the Llama stack's conditions (``LlamaForCausalLM._fused_layers``): native ops with
         FUSED_LAYERS, every projection on a method the stack applies, KV caches and activations of one
         dtype the kernels take, float32 RoPE tables on the CPU, head_dim a multiple of 16."""
-        ctx = get_forward_context()
+        found = cached_fused_plan(self)
+        if found is None:
+            return None
+        (flat, kinds, extras), ctx, all_reduce = found
         ops = ctx.ops
-        if not getattr(ops, "FUSED_LAYERS", False) or not hasattr(ops, "llama_layers"):
-            return None
-        all_reduce = self.tp_group.communicator.native_all_reduce() if self.tp_group.is_parallel else (0, 0)
-        if all_reduce is None:
-            return None
-        # a new KV cache or a layer packed anew (set_backend) rebuilds the plan
-        key = (id(ctx.kv_caches),) + tuple(id(d.weight) if (d := m.fused_descriptor()) else None
-                                           for m in self._linears(0))
-        plan = self.__dict__.get("_fused_plan")
-        if plan is None or plan[0] != key:
-            plan = (key, self._build_fused_plan(ctx.kv_caches))
-            self.__dict__["_fused_plan"] = plan
-        if plan[1] is None:
-            return None
-        flat, kinds, extras = plan[1]
         cfg, md = self.config, ctx.attn
         at = self.model.layers[0].self_attn  # this rank's heads and MLP width
         intermediate = self.model.layers[0].mlp.down_proj.in_features

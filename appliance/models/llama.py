@@ -240,25 +240,11 @@ class LlamaForCausalLM(nn.Module):
         o, gate/up and down projection on a method the stack applies (``fused_descriptor``), norms,
         KV caches and activations of one dtype the kernels take (float32 or bfloat16), a float32 rotary
         table, head_dim a multiple of 16."""
-        ctx = get_forward_context()
+        found = cached_fused_plan(self)
+        if found is None:
+            return None
+        (flat, kinds), ctx, all_reduce = found
         ops = ctx.ops
-        if not getattr(ops, "FUSED_LAYERS", False) or not hasattr(ops, "llama_layers"):
-            return None
-        # tensor parallel: the stack sums the row-parallel o_proj and down_proj outputs itself, through
-        # the communicator's native entry (shared memory); one without (gloo) leaves the per-op path
-        all_reduce = self.tp_group.communicator.native_all_reduce() if self.tp_group.is_parallel else (0, 0)
-        if all_reduce is None:
-            return None
-        # a new KV cache or a layer packed anew (set_backend) rebuilds the plan
-        key = (id(ctx.kv_caches),) + tuple(id(d.weight) if (d := m.fused_descriptor()) else None
-                                           for m in self._linears(0))
-        plan = self.__dict__.get("_fused_plan")
-        if plan is None or plan[0] != key:
-            plan = (key, self._build_fused_plan(ctx.kv_caches))
-            self.__dict__["_fused_plan"] = plan
-        if plan[1] is None:
-            return None
-        flat, kinds = plan[1]
         cfg, md = self.config, ctx.attn
         at = self.model.layers[0].self_attn  # this rank's heads and MLP width (all of them on one rank)
         scale = at.attn.scale
@@ -328,6 +314,29 @@ def fused_linear_entries(descs, flat: list, kinds: list, empty: torch.Tensor) ->
         flat += [d.weight, _or_empty(d.bias, empty), *(_or_empty(a, empty) for a in aux)]
         kinds += [d.kind, *(tuple(d.ints) + (0,) * (3 - len(d.ints)))]
 
+
+
+def cached_fused_plan(model: nn.Module):
+    """``(plan, forward context, all-reduce entry)`` for a model's one-call decoder stack, or None where
+    the stack cannot run this step: native ops with FUSED_LAYERS only, and under tensor parallel only
+    with a communicator that has a native entry (shared memory; gloo leaves the per-op path). The plan
+    (``model._build_fused_plan(kv_caches)``, None where the stack does not apply) is kept on the model
+    and rebuilt for a new KV cache or a layer packed anew (set_backend)."""
+    ctx = get_forward_context()
+    ops = ctx.ops
+    if not getattr(ops, "FUSED_LAYERS", False) or not hasattr(ops, "llama_layers"):
+        return None
+    # tensor parallel: the stack sums the row-parallel o_proj and down_proj outputs itself
+    all_reduce = model.tp_group.communicator.native_all_reduce() if model.tp_group.is_parallel else (0, 0)
+    if all_reduce is None:
+        return None
+    key = (id(ctx.kv_caches),) + tuple(id(d.weight) if (d := m.fused_descriptor()) else None
+                                       for m in model._linears(0))
+    plan = model.__dict__.get("_fused_plan")
+    if plan is None or plan[0] != key:
+        plan = (key, model._build_fused_plan(ctx.kv_caches))
+        model.__dict__["_fused_plan"] = plan
+    return None if plan[1] is None else (plan[1], ctx, all_reduce)
 
 # tensor-parallel support: the architectures of this file shard (appliance.distributed)
 supports_tensor_parallel = True

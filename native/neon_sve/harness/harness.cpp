@@ -391,6 +391,31 @@ void check_rows(const std::vector<const KernelTable*>& variants) {
   }
 }
 
+// The activations' per-token asymmetric int8 code every W8/Wlow kernel uses: scale s and zero point zp
+// of a row, and a value's code clamp(round(x / s) + zp).
+struct ActQuant {
+  float s, zp;
+  explicit ActQuant(const float* xr, int K) {
+    float lo = 0.f, hi = 0.f;
+    for (int k = 0; k < K; ++k) lo = std::min(lo, xr[k]), hi = std::max(hi, xr[k]);
+    s = std::max((hi - lo) / 255.f, 1e-12f);
+    zp = std::min(127.f, std::max(-128.f, std::nearbyint(-128.f - lo / s)));
+  }
+  float code(float x) const { return std::min(127.f, std::max(-128.f, std::nearbyint(x / s) + zp)); }
+};
+
+// Row n of low-bit weights q (u = q + ctr) into gemm_wlow_a8's nibble plane lo and 2-bit plane hi.
+void pack_wlow_row(const int* q, int n, int K, int ctr, uint8_t* lo, uint8_t* hi) {
+  const int t = n / 16, r = n % 16;
+  for (int k = 0; k < K; ++k) {
+    const int u = q[k] + ctr;
+    const int s8 = k / 8, j = k % 4, half = (k % 8) / 4;
+    lo[(((size_t)t * (K / 8) + s8) * 16 + r) * 4 + j] |= (uint8_t)((u & 15) << (4 * half));
+    const int s16 = k / 16, p = (k % 16) / 4;
+    hi[(((size_t)t * (K / 16) + s16) * 16 + r) * 4 + j] |= (uint8_t)((u >> 4) << (2 * p));
+  }
+}
+
 // ------------------------------------------------------------------------------------------
 // W8A8 GEMM with group-wise weight scales (gemm_w8g_a8) against a double-precision reference of
 // the same quantized math (activations quantized per token as the kernel's contract says).
@@ -441,14 +466,12 @@ void check_w8g(const std::vector<const KernelTable*>& variants) {
     double mx = 0;
     for (int m = 0; m < c.M; ++m) {
       const float* xr = x.data() + (size_t)m * c.K;
-      float lo = 0.f, hi = 0.f;
-      for (int k = 0; k < c.K; ++k) lo = std::min(lo, xr[k]), hi = std::max(hi, xr[k]);
-      const float s = std::max((hi - lo) / 255.f, 1e-12f);
-      const float zp = std::min(127.f, std::max(-128.f, std::nearbyint(-128.f - lo / s)));
+      const ActQuant aq(xr, c.K);
+      const float s = aq.s, zp = aq.zp;
       for (int n = 0; n < c.N; ++n) {
         double acc = 0;
         for (int k = 0; k < c.K; ++k) {
-          const float xq = std::min(127.f, std::max(-128.f, std::nearbyint(xr[k] / s) + zp));
+          const float xq = aq.code(xr[k]);
           acc += (double)(xq - zp) * q[(size_t)n * c.K + k] * sc[(size_t)n * groups + k / c.G];
         }
         ref[(size_t)m * c.N + n] = (float)(acc * s);
@@ -511,13 +534,7 @@ void check_wlow(const std::vector<const KernelTable*>& variants) {
         for (int k = g * c.G; k < (g + 1) * c.G; ++k) sum += q[(size_t)n * c.K + k];
         pws[((size_t)t * groups + g) * 16 + r] = (int16_t)sum;
       }
-      for (int k = 0; k < c.K; ++k) {
-        const int u = q[(size_t)n * c.K + k] + ctr;
-        const int s8 = k / 8, j = k % 4, half = (k % 8) / 4;
-        lo[(((size_t)t * (c.K / 8) + s8) * 16 + r) * 4 + j] |= (uint8_t)((u & 15) << (4 * half));
-        const int s16 = k / 16, p = (k % 16) / 4;
-        hi[(((size_t)t * (c.K / 16) + s16) * 16 + r) * 4 + j] |= (uint8_t)((u >> 4) << (2 * p));
-      }
+      pack_wlow_row(q.data() + (size_t)n * c.K, n, c.K, ctr, lo.data(), hi.data());
       for (int g = 0; g < groups; ++g) {
         ps[((size_t)t * groups + g) * 16 + r] = sc[(size_t)n * groups + g];
         po[((size_t)t * groups + g) * 16 + r] = off[(size_t)n * groups + g];
@@ -527,14 +544,12 @@ void check_wlow(const std::vector<const KernelTable*>& variants) {
     double mx = 0;
     for (int m = 0; m < c.M; ++m) {
       const float* xr = x.data() + (size_t)m * c.K;
-      float lo_ = 0.f, hi_ = 0.f;
-      for (int k = 0; k < c.K; ++k) lo_ = std::min(lo_, xr[k]), hi_ = std::max(hi_, xr[k]);
-      const float s = std::max((hi_ - lo_) / 255.f, 1e-12f);
-      const float zp = std::min(127.f, std::max(-128.f, std::nearbyint(-128.f - lo_ / s)));
+      const ActQuant aq(xr, c.K);
+      const float s = aq.s, zp = aq.zp;
       for (int n = 0; n < c.N; ++n) {
         double acc = 0, ao = 0;
         for (int k = 0; k < c.K; ++k) {
-          const float xq = std::min(127.f, std::max(-128.f, std::nearbyint(xr[k] / s) + zp));
+          const float xq = aq.code(xr[k]);
           acc += (double)(xq - zp) * q[(size_t)n * c.K + k] * sc[(size_t)n * groups + k / c.G];
           ao += (double)xr[k] * off[(size_t)n * groups + k / c.G];
         }
@@ -624,26 +639,18 @@ void check_wlow_kquant(const std::vector<const KernelTable*>& variants) {
         rs += (double)s * qs;
       }
       rowsum[(size_t)t * 16 + r] = (float)rs;
-      for (int k = 0; k < c.K; ++k) {
-        const int u = q[(size_t)n * c.K + k] + ctr;
-        const int s8 = k / 8, j = k % 4, half = (k % 8) / 4;
-        lo[(((size_t)t * (c.K / 8) + s8) * 16 + r) * 4 + j] |= (uint8_t)((u & 15) << (4 * half));
-        const int s16 = k / 16, p = (k % 16) / 4;
-        hi[(((size_t)t * (c.K / 16) + s16) * 16 + r) * 4 + j] |= (uint8_t)((u >> 4) << (2 * p));
-      }
+      pack_wlow_row(q.data() + (size_t)n * c.K, n, c.K, ctr, lo.data(), hi.data());
     }
     std::vector<float> ref((size_t)c.M * c.N);
     double mx = 0;
     for (int m = 0; m < c.M; ++m) {
       const float* xr = x.data() + (size_t)m * c.K;
-      float lo_ = 0.f, hi_ = 0.f;
-      for (int k = 0; k < c.K; ++k) lo_ = std::min(lo_, xr[k]), hi_ = std::max(hi_, xr[k]);
-      const float s = std::max((hi_ - lo_) / 255.f, 1e-12f);
-      const float zp = std::min(127.f, std::max(-128.f, std::nearbyint(-128.f - lo_ / s)));
+      const ActQuant aq(xr, c.K);
+      const float s = aq.s, zp = aq.zp;
       for (int n = 0; n < c.N; ++n) {
         double acc = 0, ao = 0, mag = 0;
         for (int k = 0; k < c.K; ++k) {
-          const float xq = std::min(127.f, std::max(-128.f, std::nearbyint(xr[k] / s) + zp));
+          const float xq = aq.code(xr[k]);
           const double sk = scale[(size_t)n * groups + k / c.G];
           acc += (double)(xq - zp) * q[(size_t)n * c.K + k] * sk;
           mag += std::fabs((double)xq * q[(size_t)n * c.K + k] * sk);
