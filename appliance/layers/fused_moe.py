@@ -58,13 +58,16 @@ class Router(nn.Module):
 def native_plan(experts: nn.ModuleList) -> tuple[list[torch.Tensor], list[int]] | None:
     """The experts as ``ops.native.moe_experts`` takes them (per expert its gate/up then its down
     projection: weight, bias, 3 aux tensors; and per projection its LinearKind and 3 ints), from their
-    linear methods' ``fused_descriptor``; None when some projection has none or is tensor-parallel."""
+    linear methods' ``fused_descriptor``; None when some projection has none. Under tensor parallel the
+    experts are this rank's shards (gate_up ``column``, down ``row_partial``): their outputs need nothing
+    from the other ranks until the block's one all-reduce, so the call takes them as they are; a layer
+    that reduces or gathers itself (``row``, ``vocab``) is not taken."""
     empty = torch.empty(0)
     flat: list[torch.Tensor] = []
     kinds: list[int] = []
     for expert in experts:
         for lin in (expert.gate_up_proj, expert.down_proj):
-            d = lin.fused_descriptor() if lin.tp_mode is None else None
+            d = lin.fused_descriptor() if lin.tp_mode in (None, "column", "row_partial") else None
             if d is None:
                 return None
             aux = tuple(d.aux) + (None,) * (3 - len(d.aux))

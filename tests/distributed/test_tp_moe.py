@@ -56,6 +56,13 @@ def test_moe_tp2_tokens_equal_tp1_under_chunking_caching_preemption(engines, sta
     ids = prompts(tp1.tokenizer)
     want = run(tp1, ids, stagger)
     assert run(tp2, ids, stagger) == want
+    # rank 0's experts (its shards) ran as one native call per layer where the op set has it, as at TP=1
+    from appliance.models.moe import SparseMoeBlock
+
+    ops = tp2.runner.ops
+    one_call = hasattr(ops, "moe_experts") and ops.FUSED_LAYERS
+    ran = [b.native_calls > 0 for b in tp2.runner.model.modules() if isinstance(b, SparseMoeBlock)]
+    assert ran and ran == [one_call] * len(ran), (one_call, ran)
     if stagger == 0:
         assert tp2.scheduler.num_preemptions > 0
     else:
