@@ -474,6 +474,14 @@ def gemm_wlow_kq_a8(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, kf: tor
     return _require().gemm_wlow_kq_a8(x, lo, hi, kf, k8, n, group, bits, super_block, centre)
 
 
+def pack_wlow_planes(q: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``WLowArgs`` planes of a canonical weight ``q`` int8 [N, K] whose values fit ``bits`` (the
+    caller checks): (lo uint8 [T, K/8, 16, 4], hi uint8 [T, K/16, 16, 4] or empty for 4 bits, the
+    int32 sum of q per group [16 T, K/group], 0 on the padding rows); T = ceil(N / 16)."""
+    lo, hi, qsum = _require().pack_wlow_planes(q.contiguous(), bits, group)
+    return lo, hi, qsum
+
+
 SGEMM_PANEL = 32  # output columns per prepacked panel (kSgemmPanel in appliance_kernels.h)
 
 

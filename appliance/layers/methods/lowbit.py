@@ -29,7 +29,6 @@ per decode step is the low-bit weight, not int8.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from appliance.layers.methods.base import FusedLinear, native_extension_problem, register
@@ -76,46 +75,17 @@ def pack_lowbit(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Te
     if kg is None:
         raise ValueError(f"w{bits}a8_native: needs in_features a multiple of 16 and a group a multiple of 16 "
                          f"(<= 256 per kernel group); got in_features={k}, group={g}")
-    pad = -n % 16
-    u = torch.nn.functional.pad((qweight.to(torch.int16) + centre).to(torch.uint8), (0, 0, 0, pad), value=centre)
-    tiles = (n + pad) // 16
-    # lo[t, s, r, j]: low nibbles of u[16t + r, 8s + j] (low) and u[16t + r, 8s + 4 + j] (high)
-    u8 = u.reshape(tiles, 16, k // 8, 2, 4)
-    lo = ((u8[..., 0, :] & 15) | ((u8[..., 1, :] & 15) << 4)).permute(0, 2, 1, 3).contiguous()
-    hi = None
-    if bits == 6:
-        # hi[t, s, r, j]: bits 2p..2p+1 = u[16t + r, 16s + 4p + j] >> 4
-        u16 = (u.reshape(tiles, 16, k // 16, 4, 4) >> 4).to(torch.int32)
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32).reshape(1, 1, 1, 4, 1)
-        hi = (u16 << shifts).sum(3).to(torch.uint8).permute(0, 2, 1, 3).contiguous()
+    lo, hi, qsum = _native().pack_wlow_planes(qweight, bits, kg)
     s = scale.float().repeat_interleave(g // kg, dim=1)
     off = offset(scale, zero_point)
     if off is not None:
         off = off.repeat_interleave(g // kg, dim=1)
     # the integer sum of q per kernel group (|sum| <= 32 * 256: int16), for the activations' zero point
-    usum = np.add.reduce(u.numpy().reshape(n + pad, k // kg, kg), axis=-1, dtype=np.int32)  # numpy: no int32 copy
-    wsum = _tiles(torch.from_numpy(usum - centre * kg)).to(torch.int16)
+    wsum = _tiles(qsum).to(torch.int16)
     # one uint8 tensor: the 2-bit plane (6 bits), then the group sums (the kernel's hiw)
-    hiw = torch.cat([hi.reshape(-1) if hi is not None else torch.empty(0, dtype=torch.uint8),
-                     wsum.reshape(-1).view(torch.uint8)])
+    hiw = torch.cat([hi.reshape(-1), wsum.reshape(-1).view(torch.uint8)])
     return {"lo": lo, "hiw": hiw, "scale": _tiles(s), "offset": None if off is None else _tiles(off),
             "group": kg, "bits": bits, "n": n, "k": k}
-
-
-def _pack_planes(u: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Unsigned values uint8 [16 T, K] -> (the nibble plane [T, K/8, 16, 4], the 2-bit plane [T, K/16,
-    16, 4] for 6 bits else None), as ``WLowArgs`` lays them out."""
-    # numpy's uint8 bit operations: a few times faster than torch's on a load's layers; the 2-bit
-    # plane in uint8 too (not widened to int32 and summed)
-    n, k = u.shape
-    tiles, un = n // 16, u.numpy()
-    u8 = un.reshape(tiles, 16, k // 8, 2, 4)
-    lo = torch.from_numpy(np.ascontiguousarray(((u8[..., 0, :] & 15) | ((u8[..., 1, :] & 15) << 4)).transpose(0, 2, 1, 3)))
-    if bits != 6:
-        return lo, None
-    h = un.reshape(tiles, 16, k // 16, 4, 4) >> 4  # the top 2 bits
-    hi = h[..., 0, :] | (h[..., 1, :] << 2) | (h[..., 2, :] << 4) | (h[..., 3, :] << 6)
-    return lo, torch.from_numpy(np.ascontiguousarray(hi.transpose(0, 2, 1, 3)))
 
 
 def pack_kquant(qweight: torch.Tensor, t: dict, bits: int) -> dict:
@@ -138,13 +108,9 @@ def pack_kquant(qweight: torch.Tensor, t: dict, bits: int) -> dict:
         raise ValueError(f"w{bits}a8_native: weight values must lie in [{-centre}, {centre - 1}]; got "
                          f"[{int(qn.min())}, {int(qn.max())}]")
     pad = -n % 16
+    lo, hi, qsum = _native().pack_wlow_planes(qweight, bits, g)
     scale = t["sup"].double().repeat_interleave(sb // g, dim=1) * t["sub"].double()  # [N, K/G], exact
-    # numpy's int8 -> int32 reduction (torch's integer sum is several times slower on a warm load's layers)
-    qsum = torch.from_numpy(np.add.reduce(qn.reshape(n, k // g, g), axis=-1, dtype=np.int32)).double()
-    rowsum = torch.nn.functional.pad((scale * qsum).sum(1).float(), (0, pad))
-    u = np.full((n + pad, k), centre, dtype=np.uint8)
-    u[:n] = (qn + np.int8(centre)).view(np.uint8)  # in [0, 2 centre): checked above
-    lo, hi = _pack_planes(torch.from_numpy(u), bits)
+    rowsum = torch.nn.functional.pad((scale * qsum[:n].double()).sum(1).float(), (0, pad))
     shift = t["shift"]
     flags = (1 if bool((shift != 0).any()) else 0) | (2 if t["submin"] is not None else 0)
     kf = [rowsum, _tiles(t["sup"]).reshape(-1)]
@@ -153,7 +119,7 @@ def pack_kquant(qweight: torch.Tensor, t: dict, bits: int) -> dict:
     if flags & 2:
         kf.append(_tiles(t["supmin"]).reshape(-1))
         k8.append(_tiles(t["submin"]).reshape(-1))
-    return {"lo": lo, "hi": hi if hi is not None else torch.empty(0, dtype=torch.uint8),
+    return {"lo": lo, "hi": hi if bits == 6 else torch.empty(0, dtype=torch.uint8),
             "kf": torch.cat(kf).contiguous(), "k8": torch.cat(k8).contiguous(),
             "group": g, "bits": bits, "n": n, "k": k, "super": sb, "flags": flags}
 

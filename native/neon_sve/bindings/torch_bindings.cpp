@@ -3,6 +3,7 @@
 // size, dtypes) is appliance/ops/native.py's job; these checks only guard memory safety.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -256,6 +257,71 @@ torch::Tensor gemm_wlow_a8(const torch::Tensor& x, const torch::Tensor& lo, cons
   a.out = out.data_ptr<float>();
   if (m > 0 && n > 0) K()->gemm_wlow_a8(a);
   return out;
+}
+
+// The WLowArgs planes of a canonical low-bit weight (appliance/layers/methods/lowbit.py, pack_lowbit
+// and pack_kquant): q int8 [N, K] with values in [-c, c) (c = 8 for 4 bits, 32 for 6; the caller
+// checks), stored as u = q + c in 16-row tiles, rows past N holding q = 0. Returns lo uint8
+// [T, K/8, 16, 4] (byte j of 16-input step s, row r: u[16t + r, 8s + j] low nibble, u[.., 8s + 4 + j]
+// high nibble), hi uint8 [T, K/16, 16, 4] (6 bits: bits 2p..2p+1 of byte j hold u[16t + r, 16s + 4p + j]
+// >> 4; empty for 4 bits) and qsum int32 [16 T, K/group], the sum of q per group (0 on padding rows).
+// A layout transform at load, one pass in parallel over tiles: numpy's strided uint8 operations
+// took most of a GGUF's warm start.
+std::vector<torch::Tensor> pack_wlow_planes(const torch::Tensor& q, int64_t bits, int64_t group) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.is_contiguous(), "pack_wlow_planes: q contiguous int8 [N, K]");
+  TORCH_CHECK(bits == 4 || bits == 6, "pack_wlow_planes: bits must be 4 or 6; got ", bits);
+  const int64_t n = q.size(0), k = q.size(1), tiles = (n + 15) / 16;
+  TORCH_CHECK(k % 16 == 0 && group > 0 && k % group == 0,
+              "pack_wlow_planes: K must be a multiple of 16 and of the group; got K ", k, ", group ", group);
+  auto u8 = torch::TensorOptions().dtype(torch::kUInt8);
+  auto lo = torch::empty({tiles, k / 8, 16, 4}, u8);
+  auto hi = torch::empty({bits == 6 ? tiles : 0, k / 16, 16, 4}, u8);
+  auto qsum = torch::zeros({tiles * 16, k / group}, torch::TensorOptions().dtype(torch::kInt32));
+  const int8_t* qp = q.data_ptr<int8_t>();
+  uint8_t* lop = lo.data_ptr<uint8_t>();
+  uint8_t* hip = bits == 6 ? hi.data_ptr<uint8_t>() : nullptr;
+  int32_t* sp = qsum.data_ptr<int32_t>();
+  const int c = bits == 4 ? 8 : 32;
+  const int64_t groups = k / group;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint8_t> u(16 * k);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int r = 0; r < 16; ++r) {
+        const int64_t row = 16 * t + r;
+        uint8_t* ur = u.data() + r * k;
+        if (row >= n) {
+          std::fill(ur, ur + k, (uint8_t)c);
+          continue;
+        }
+        const int8_t* qr = qp + row * k;
+        int32_t* sr = sp + row * groups;
+        for (int64_t i = 0; i < k; ++i) ur[i] = (uint8_t)(qr[i] + c);
+        for (int64_t g = 0; g < groups; ++g) {
+          int32_t acc = 0;
+          for (int64_t i = g * group; i < (g + 1) * group; ++i) acc += qr[i];
+          sr[g] = acc;
+        }
+      }
+      uint8_t* lt = lop + t * 8 * k;  // [K/8, 16, 4]
+      for (int64_t s = 0; s < k / 8; ++s)
+        for (int r = 0; r < 16; ++r) {
+          const uint8_t* ur = u.data() + r * k + 8 * s;
+          uint8_t* o = lt + (s * 16 + r) * 4;
+          for (int j = 0; j < 4; ++j) o[j] = (uint8_t)((ur[j] & 15) | ((ur[4 + j] & 15) << 4));
+        }
+      if (!hip) continue;
+      uint8_t* ht = hip + t * 4 * k;  // [K/16, 16, 4]
+      for (int64_t s = 0; s < k / 16; ++s)
+        for (int r = 0; r < 16; ++r) {
+          const uint8_t* ur = u.data() + r * k + 16 * s;
+          uint8_t* o = ht + (s * 16 + r) * 4;
+          for (int j = 0; j < 4; ++j)
+            o[j] = (uint8_t)(((ur[j] >> 4) & 3) | (((ur[4 + j] >> 4) & 3) << 2) | (((ur[8 + j] >> 4) & 3) << 4) |
+                             (((ur[12 + j] >> 4) & 3) << 6));
+        }
+    }
+  });
+  return {lo, hi, qsum};
 }
 
 // Low-bit weights with a GGUF K-quant's own scales (WLowArgs' ksuper > 0), packed by
@@ -745,6 +811,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_w8g_a8", &gemm_w8g_a8);
   m.def("gemm_wlow_a8", &gemm_wlow_a8);
   m.def("gemm_wlow_kq_a8", &gemm_wlow_kq_a8);
+  m.def("pack_wlow_planes", &pack_wlow_planes);
   m.def("gemm_f32", &gemm_f32, pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("n"), pybind11::arg("silu_mul") = false);
   m.def("argmax_rows", &argmax_rows);
