@@ -120,7 +120,8 @@ def _too_many(n: int, tp: int, per: int, have: int, nt: int | None, spec: str = 
 
 
 def check_backend(config: EngineConfig) -> None:
-    """``--distributed-executor-backend ray`` without Ray installed: refused before anything starts."""
+    """``--distributed-executor-backend ray`` without Ray installed, or with an
+    ``APPLIANCE_RAY_PLACEMENT_STRATEGY`` that is no strategy: refused before anything starts."""
     if config.distributed_executor_backend == "ray":
         try:
             import ray  # noqa: F401
@@ -128,6 +129,9 @@ def check_backend(config: EngineConfig) -> None:
             raise ApplianceError('--distributed-executor-backend ray: the ray package is not installed; '
                                  'install it with: pip install "appliance[ray]" (or use --distributed-executor-'
                                  'backend mp)') from None
+        from appliance.server.ray_executor import placement_strategy
+
+        placement_strategy()  # APPLIANCE_RAY_PLACEMENT_STRATEGY: refused here if it names no strategy
 
 
 def uses_replica_set(config: EngineConfig) -> bool:

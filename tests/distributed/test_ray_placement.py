@@ -138,3 +138,16 @@ def test_placement_strategy_variable(monkeypatch):
     with pytest.raises(ApplianceError, match=r"APPLIANCE_RAY_PLACEMENT_STRATEGY='SCATTER' is not a Ray placement "
                                              r"group strategy; valid: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD"):
         ray_executor.placement_strategy()
+
+
+def test_serve_refuses_a_bad_strategy_at_start():
+    pytest.importorskip("ray", reason="the ray extra is not installed here")
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "appliance.cli", "serve", "--port", "1", "--distributed-executor-backend",
+                        "ray"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "APPLIANCE_RAY_PLACEMENT_STRATEGY": "EVERYWHERE"})
+    assert r.returncode == 2, r.stderr
+    assert "APPLIANCE_RAY_PLACEMENT_STRATEGY='EVERYWHERE' is not a Ray placement group strategy; valid: PACK, " \
+           "SPREAD, STRICT_PACK, STRICT_SPREAD" in r.stderr, r.stderr
