@@ -1,12 +1,17 @@
-"""Tensor parallel with its worker rank on another Ray node: a two-node Ray cluster on this one host
-(``ray.cluster_utils.Cluster``: a head node with no CPUs for actors, where the driver, rank 0, runs,
-and a second node with the CPUs), usage statistics off. The rank-1 bundle can only go to the second
-node, so the engine has to learn where Ray put it, read that node's topology there (a task on that
-node) and plan rank 1's CPUs from it; TP=2 gives TP=1's greedy tokens.
+"""Actors on other Ray nodes: a three-node Ray cluster on this one host (``ray.cluster_utils.Cluster``:
+a head node with no CPUs for actors, where the driver runs, and two nodes with the CPUs), usage
+statistics off. Every bundle has to go to a node other than the driver's, so the engine has to learn
+where Ray put it, read that node's topology there (a task on that node) and plan the actor's CPUs
+from it.
 
-What one host cannot show: the two nodes share the host's CPUs (each rank, alone on its node, plans
-every core of it), its hostname (so the all-reduce stays on shared memory; on two real hosts it is
-gloo) and its network."""
+- Tensor parallel: rank 0 (the engine, on the head node) and rank 1 on another node, each alone on its
+  node; TP=2 gives TP=1's greedy tokens.
+- Data parallel with ``APPLIANCE_RAY_PLACEMENT_STRATEGY=STRICT_SPREAD``: the two replicas on the two
+  nodes, each alone on its node and planned there; their tokens equal one engine's, both used.
+
+What one host cannot show: the nodes share the host's CPUs (a rank alone on its node plans every core
+of it, so here the ranks time-share the cores), its hostname (so the all-reduce stays on shared
+memory; on two real hosts it is gloo) and its network."""
 from __future__ import annotations
 
 import os
@@ -30,7 +35,8 @@ def cluster():
     from ray.cluster_utils import Cluster
 
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    c.add_node(num_cpus=len(os.sched_getaffinity(0)))
+    for _ in range(2):
+        c.add_node(num_cpus=len(os.sched_getaffinity(0)))
     ray.init(address=c.address, logging_level="WARNING")
     c.wait_for_nodes()
     yield c
@@ -53,7 +59,7 @@ def test_tp2_rank_on_the_second_node_plans_there_and_equals_tp1(cluster, tiny_mo
         head = ray.get_runtime_context().get_node_id()
         (node,) = rs.bundle_nodes
         assert rs.local_node == head and node != head, (head, rs.bundle_nodes)
-        assert len(ray.nodes()) == 2 and set(rs.topologies) == {node}  # read on that node, by a task there
+        assert len(ray.nodes()) == 3 and set(rs.topologies) == {node}  # read on that node, by a task there
         topo = rs.topologies[node]
         assert isinstance(topo, threads.NodeTopology) and topo.numa == {k: tuple(v) for k, v in
                                                                         threads.numa_nodes().items()}
@@ -71,3 +77,47 @@ def test_tp2_rank_on_the_second_node_plans_there_and_equals_tp1(cluster, tiny_mo
         tp2.runner.close()
     assert not rank1.is_alive() and rank1.exitcode == 0
     assert ray.is_initialized()  # the engine joined this cluster: it leaves it running
+
+
+def test_dp2_spread_over_two_nodes_plans_each_replica_on_its_node(cluster, llama_dir, monkeypatch):
+    import asyncio
+    import socket
+
+    import ray
+    from test_dp_tp import PROMPTS, _generate
+    from transformers import AutoTokenizer
+
+    from appliance.runtime import threads
+    from appliance.sampling_params import SamplingParams
+    from appliance.server.dp_client import DPEngineClient
+
+    monkeypatch.setenv("APPLIANCE_RAY_PLACEMENT_STRATEGY", "STRICT_SPREAD")
+    base = dict(model=str(llama_dir), dtype="float32", linear_backend="torch", num_kv_blocks=64, block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tok = AutoTokenizer.from_pretrained(str(llama_dir))
+    want = drive_engine(LLMEngine(EngineConfig(**base)), [tok.encode(p) for p in PROMPTS], params)
+
+    client = DPEngineClient(EngineConfig(**base, data_parallel_size=2, distributed_executor_backend="ray"))
+    client.tokenizer = tok
+    one_host = [g[0] for g in client.rank_groups]  # the driver's plan: the cores split between the replicas
+    try:
+        info = client.start(timeout=600)
+        rs = client._ray
+        head = ray.get_runtime_context().get_node_id()
+        assert rs.strategy == "STRICT_SPREAD" and len(set(rs.bundle_nodes)) == 2 and head not in rs.bundle_nodes
+        assert set(rs.topologies) == set(rs.bundle_nodes)
+        alone = threads.resolve_ranks("auto", 1, allowed=set(rs.topologies[rs.bundle_nodes[0]].allowed))[0]
+        assert alone.cpus != one_host[0].cpus
+        for r, p in zip(info["replicas"], client.placements):
+            # what each replica's engine reports: its node's whole plan, not its share of this host's
+            assert p == alone and r["num_threads"] == alone.num_threads, (r, p)
+            assert r["cpus"] == threads.format_cpu_list(list(alone.cpus)) and r["host"] == socket.gethostname(), r
+
+        async def session():
+            client.attach(asyncio.get_running_loop())
+            return await _generate(client, tok, params), list(client.routed)
+
+        got, routed = asyncio.run(session())
+        assert got == want and all(n > 0 for n in routed), routed
+    finally:
+        client.shutdown()
