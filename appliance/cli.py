@@ -312,12 +312,22 @@ def doctor(json: Annotated[bool, Opt("--json", help="Print the report as JSON (s
                                                "file) and show, per layer group, its stored format, the method "
                                                "it runs with and the resident weight memory.")] = None,
            quantization: Annotated[str, Opt("--quantization", help="With --model: as `serve --quantization`.")]
-           = "none"):
+           = "none",
+           tensor_parallel_size: Annotated[Optional[int], Opt("--tensor-parallel-size", "-tp", help="Show each "
+                                           "rank's placement for this tensor-parallel size (as serve).")] = None,
+           data_parallel_size: Annotated[Optional[int], Opt("--data-parallel-size", "-dp", help="... and this "
+                                         "data-parallel size (as serve).")] = None,
+           omp_threads_bind: Annotated[Optional[str], Opt("--omp-threads-bind", help="... and this binding "
+                                       "(as serve; VLLM_CPU_OMP_THREADS_BIND read too).")] = None,
+           num_threads: Annotated[Optional[int], Opt("--num-threads", help="... and threads per rank (as serve).")]
+           = None):
     """Report what this host and process give the engine (CPU, torch build, kernels, allocator, libgomp,
-    OpenMP) and how to fix each problem."""
+    OpenMP, each rank's placement for the parallel flags given) and how to fix each problem."""
     from appliance.doctor import run_doctor
 
-    raise typer.Exit(run_doctor(json=json, model=model, quantization=quantization))
+    placement = {"tensor_parallel_size": tensor_parallel_size, "data_parallel_size": data_parallel_size,
+                 "omp_threads_bind": omp_threads_bind, "num_threads": num_threads}
+    raise typer.Exit(run_doctor(json=json, model=model, quantization=quantization, placement=placement))
 
 
 from appliance.bench.cli import bench_app  # noqa: E402  (imports nothing heavy at start-up)

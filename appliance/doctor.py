@@ -68,6 +68,12 @@ SCHEMA: dict = _obj({
                    "auto_2_ranks": _opt({"type": "array", "items": _obj({
                        "rank": _I, "num_threads": _I, "cpus": _opt({"type": "array", "items": _I}),
                        "numa_node": _opt(_I), "bind_memory": _B})})}),
+    "placement": _obj({"tensor_parallel_size": _opt(_I), "data_parallel_size": _opt(_I),
+                       "omp_threads_bind": _opt(_S), "num_threads": _opt(_I), "error": _opt(_S),
+                       "ranks": {"type": "array", "items": _obj({
+                           "replica": _I, "rank": _I, "num_threads": _I,
+                           "cpus": _opt({"type": "array", "items": _I}), "numa_node": _opt(_I), "bind_memory": _B,
+                           "omp_places": _opt(_S), "describe": _S})}}),
     "problems": {"type": "array", "items": _obj({"severity": {"type": "string", "enum": list(SEVERITIES)},
                                                  "what": _S, "fix": _S})},
 })
@@ -331,6 +337,41 @@ def _ranks() -> dict:
     return out
 
 
+def placement_plan(tensor_parallel_size: int | None = None, data_parallel_size: int | None = None,
+                   omp_threads_bind: str | None = None, num_threads: int | None = None) -> dict:
+    """Each rank's placement as ``appliance serve`` with these flags would make it on this host (one
+    row per data-parallel replica x tensor-parallel rank; the flags not given come from APPLIANCE_* and
+    VLLM_CPU_OMP_THREADS_BIND / VLLM_CPU_NUM_OF_RESERVED_CPU as serve reads them), or the error serve
+    would refuse them with. Ranks Ray places on other hosts are planned there, at start (not shown)."""
+    from appliance import vllm_compat
+    from appliance.config import EngineConfig
+    from appliance.errors import ApplianceError
+    from appliance.runtime import threads
+    from appliance.server.dp_client import replica_rank_groups
+
+    given = {"tensor_parallel_size": tensor_parallel_size, "data_parallel_size": data_parallel_size,
+             "omp_threads_bind": omp_threads_bind, "num_threads": num_threads}
+    out: dict = {**given, "error": None, "ranks": []}
+    try:
+        kw = {k: v for k, v in given.items() if v is not None}
+        kw.update(vllm_compat.vllm_env_engine_kwargs(given))
+        cfg = EngineConfig.from_kwargs(**kw)
+        out.update(tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size,
+                   omp_threads_bind=cfg.omp_threads_bind, num_threads=cfg.num_threads)
+        if cfg.data_parallel_size == 1:  # one engine: serve resolves its ranks as engine_placement does
+            groups = [threads.resolve_ranks(cfg.omp_threads_bind, cfg.tensor_parallel_size, cfg.num_threads)]
+        else:
+            groups = replica_rank_groups(cfg)
+    except (ApplianceError, ValueError, TypeError) as e:
+        out["error"] = str(e)
+        return out
+    out["ranks"] = [{"replica": i, "rank": r, "num_threads": p.num_threads, "cpus": list(p.cpus) if p.cpus else None,
+                     "numa_node": p.numa_node, "bind_memory": p.bind_memory,
+                     "omp_places": threads.omp_env(p).get("OMP_PLACES"), "describe": p.describe()}
+                    for i, g in enumerate(groups) for r, p in enumerate(g)]
+    return out
+
+
 def _libgomp() -> dict:
     from appliance.runtime import openmp
 
@@ -422,21 +463,27 @@ def model_weights(model: str, quantization: str = "none") -> dict:
             "total_bytes": total_bytes(groups)}
 
 
-def doctor_report() -> dict:
-    """Everything ``appliance doctor`` knows, as a JSON-safe dict that validates against SCHEMA."""
+def doctor_report(placement: dict | None = None) -> dict:
+    """Everything ``appliance doctor`` knows, as a JSON-safe dict that validates against SCHEMA.
+    ``placement``: the ``placement_plan`` arguments (serve's flags) whose per-rank placement to show."""
     r = {"schema_version": 1, "cpu": _cpu(), "cores": _cores(), "memory": _memory(), "torch": _torch(),
          "kernels": _kernels(), "linear_backends": _linear_backends(), "allocator": _allocator(),
-         "libgomp": _libgomp(), "omp": _omp(), "ranks": _ranks()}
+         "libgomp": _libgomp(), "omp": _omp(), "ranks": _ranks(), "placement": placement_plan(**(placement or {}))}
     r["onednn"] = _onednn()
     r["problems"] = _problems(r)
     return r
 
 
-def run_doctor(json: bool = False, model: str | None = None, quantization: str = "none") -> int:
+def run_doctor(json: bool = False, model: str | None = None, quantization: str = "none",
+               placement: dict | None = None) -> int:
     """Print the report (a rich table, or JSON with ``json=True``). Returns the exit code: 1 when a
     problem of severity ``error`` was found, else 0. ``model``: also load it (with ``quantization``)
-    and report its weights per layer group; a model that does not load is an error problem."""
-    r = doctor_report()
+    and report its weights per layer group; a model that does not load is an error problem.
+    ``placement``: serve's placement flags (``placement_plan``); flags serve would refuse are an error problem."""
+    r = doctor_report(placement)
+    if r["placement"]["error"]:
+        r["problems"].append({"severity": "error", "what": f"placement: {r['placement']['error']}",
+                              "fix": "change the flag named (appliance serve refuses the same)"})
     if model is not None:
         from appliance.errors import ApplianceError
 
@@ -498,6 +545,11 @@ def run_doctor(json: bool = False, model: str | None = None, quantization: str =
         f"rank {x['rank']}: CPUs {x['cpus']}" + (f" on node {x['numa_node']}" if x["numa_node"] is not None else "")
         + (", memory bound" if x["bind_memory"] else "") for x in rk["auto_2_ranks"]))
         + f"\n{rk['numa_nodes']} NUMA node(s); memory binding: {rk['memory_binding']}")
+    pl = r["placement"]
+    tab.add_row(f"placement (-tp {pl['tensor_parallel_size']} -dp {pl['data_parallel_size']}, "
+                f"--omp-threads-bind {pl['omp_threads_bind']})",
+                f"[red]{pl['error']}[/]" if pl["error"] else "\n".join(
+                    f"replica {x['replica']} rank {x['rank']}: {x['describe']}" for x in pl["ranks"]))
     if "model_weights" in r:
         from rich.markup import escape
 

@@ -247,14 +247,17 @@ class TPExecutor:
 
             check_backend(config)  # Ray not installed: refused, saying how to install it
 
-            def payload_for(r: int, host: str) -> bytes:
-                return pickle.dumps((n, store.port, config, info, dtype, max_model_len, pooler_config,
-                                     placements[r], self.communicator, self.default_group, host))
+            from appliance.runtime import threads
 
-            self.ray_set, self.procs = start_rank_actors(
-                placements[1:], payload_for,
-                [worker_env(config.allocator, placement=placements[r]) for r in range(1, n)],
-                replica=config.data_parallel_rank)
+            def payload_for(r: int, host: str, placement) -> bytes:
+                return pickle.dumps((n, store.port, config, info, dtype, max_model_len, pooler_config,
+                                     placement, self.communicator, self.default_group, host))
+
+            # each rank's CPUs as planned on the node Ray put it on (on one host: ``placements``)
+            self.ray_set, self.procs, placements = start_rank_actors(
+                placements, payload_for, lambda p: worker_env(config.allocator, placement=p),
+                replica=config.data_parallel_rank, spec=config.omp_threads_bind, num_threads=config.num_threads,
+                local_allowed=set(threads.engine_cpus()))
             self.conns = list(self.procs)  # a RayRank is its rank's process and pipe end at once
         else:
             self._spawn(n, store, config, info, dtype, max_model_len, pooler_config, placements)

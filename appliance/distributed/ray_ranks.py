@@ -161,29 +161,38 @@ class RayRank:
             self.kill()
 
 
-def start_rank_actors(placements: list, payload_for, envs: list[dict[str, str]], replica: int | None = None):
-    """Ranks 1..N-1 (``placements[i]``, ``envs[i]`` for rank i + 1) as actors in one placement group;
-    ``payload_for(rank, host)``: the rank's ``worker_main`` arguments (pickled), given the address its
-    TCP store client reaches rank 0 at; ``replica``: the data-parallel replica these ranks serve (its
-    index goes into the group's and actors' names, which are unique in a Ray namespace). Returns (the
-    ``RayReplicaSet`` to stop at close, [``RayRank``])."""
+def start_rank_actors(placements: list, payload_for, env_for, replica: int | None = None, spec: str = "auto",
+                      num_threads: int | None = None, local_allowed: set[int] | None = None):
+    """Ranks 1..N-1 as actors in one placement group, one bundle per rank sized by the driver's plan
+    ``placements`` (every rank's, rank 0's first); once placed, every rank's CPUs are planned again on
+    the node it landed on (``RayReplicaSet.node_placements``, rank 0 on this process's node, with
+    ``spec``, ``num_threads`` and this node's ``local_allowed`` CPUs): on one host that is the
+    driver's plan, on several each node's ranks share that node's NUMA nodes / cores.
+    ``payload_for(rank, host, placement)``: the rank's ``worker_main`` arguments (pickled), given the
+    address its TCP store client reaches rank 0 at; ``env_for(placement)``: its environment;
+    ``replica``: the data-parallel replica these ranks serve (its index goes into the group's and
+    actors' names, which are unique in a Ray namespace). Returns (the ``RayReplicaSet`` to stop at
+    close, [``RayRank``], every rank's placement as planned on its node)."""
     import ray
 
     from appliance.server.ray_executor import RayReplicaSet
 
     tag = "" if replica is None else f"-dp{replica}"
-    ray_set = RayReplicaSet(placements, name=f"appliance-tp-ranks{tag}")
+    ray_set = RayReplicaSet(placements[1:], name=f"appliance-tp-ranks{tag}")
     ray_set.start()
-    host = ray.util.get_node_ip_address()  # rank 0's node
     ranks = []
     try:
-        for i, (p, env) in enumerate(zip(placements, envs)):
-            r = RayRank(ray_set.create_actor(i, env, cls=RankActor, name=f"appliance{tag}-tp-rank{i + 1}"), i + 1)
-            r.start(p.cpus, payload_for(i + 1, host))
+        planned = ray_set.node_placements(spec, num_threads, local_allowed if local_allowed is not None
+                                          else set(os.sched_getaffinity(0)), leading_local=1)
+        host = ray.util.get_node_ip_address()  # rank 0's node
+        for i, p in enumerate(planned[1:]):
+            r = RayRank(ray_set.create_actor(i, env_for(p), cls=RankActor, name=f"appliance{tag}-tp-rank{i + 1}"),
+                        i + 1)
+            r.start(p.cpus, payload_for(i + 1, host, p))
             ranks.append(r)
     except BaseException:
         for r in ranks:
             r.kill()
         ray_set.stop()
         raise
-    return ray_set, ranks
+    return ray_set, ranks, planned

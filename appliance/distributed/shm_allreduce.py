@@ -10,7 +10,9 @@ seconds, cached under ``<cache_dir>/shm/<hash of the source>``), loads it with c
   so nothing is left in /dev/shm whatever happens afterwards. A rank that does not arrive within
   ``timeout_s`` (or whose process is gone) makes the others raise ``ShmAllReduceError``.
 - ``ShmCommunicator`` (registered as ``"shm"``): the native all-reduce when every rank of the group
-  is on this host, gloo otherwise (ranks on several hosts, other dtypes, a library that cannot be
+  is on this host; with ranks on several hosts (Ray), shared memory among the ranks of each host and
+  gloo between the hosts' first ranks (sum within the host, sum of the hosts' sums, then the result
+  handed back through the host's segment); gloo otherwise (other dtypes, a library that cannot be
   built: each logged once); all_gather, broadcast_object and barrier go through gloo.
 """
 from __future__ import annotations
@@ -228,9 +230,17 @@ class ShmCommunicator(GlooCommunicator):
         super().__init__(group, rank, world_size)
         self.segment: ShmSegment | None = None
         self.fallback_reason: str | None = None
+        # several hosts: this host's ranks' segment (None when alone) plus the hosts' first ranks' gloo group
+        self.across_hosts: str | None = None
+        self.leader_group = None
+        self.is_leader = True
         hosts = [None] * world_size
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
         if len(set(hosts)) > 1:
+            whole = group is None or dist.get_world_size(group) == dist.get_world_size()
+            if whole:
+                self._init_across_hosts(group, hosts, chunk_bytes, timeout_s, start_seq)
+                return
             self.fallback_reason = f"ranks on {len(set(hosts))} hosts ({', '.join(sorted(set(hosts)))}): gloo"
         else:
             try:
@@ -268,23 +278,97 @@ class ShmCommunicator(GlooCommunicator):
             seg = ShmSegment(name, world_size, rank, False, chunk_bytes, timeout_s, start_seq)
         self.segment = seg
 
+    def _init_across_hosts(self, group, hosts: list[str], chunk_bytes: int, timeout_s: float, start_seq: int) -> None:
+        """Ranks on several hosts: one segment per host among its ranks, a gloo group of each host's
+        first rank. Every rank of the group runs this (``new_group`` is collective over the world); any
+        rank that cannot make or open its host's segment makes all of them reduce through gloo."""
+        order = list(dict.fromkeys(hosts))
+        mine = hosts[self.rank]
+        local = [r for r, h in enumerate(hosts) if h == mine]
+        leaders = [hosts.index(h) for h in order]
+        self.is_leader = self.rank == local[0]
+        self.leader_group = dist.new_group([self._global_rank(r) for r in leaders], backend="gloo")
+        problem = None
+        if len(local) > 1:
+            try:
+                load_library()
+            except ShmAllReduceError as e:
+                problem = str(e)
+        ok = [None] * self.world_size
+        dist.all_gather_object(ok, problem is None, group=group)
+        if problem is None and not all(ok):
+            problem = "the shared-memory library is unavailable on another rank"
+        if problem is None and len(local) > 1:
+            store = dist.distributed_c10d._get_default_store()
+            group_name = dist.distributed_c10d._get_process_group_name(group or dist.group.WORLD)
+            with _lib_lock:
+                instance = _instances[group_name] = _instances.get(group_name, -1) + 1
+            key = f"appliance/shm_allreduce/{group_name}/{instance}/host{order.index(mine)}"
+            try:
+                if self.is_leader:
+                    sweep_stale_segments()
+                    try:
+                        seg = ShmSegment(new_segment_name(), len(local), 0, True, chunk_bytes, timeout_s, start_seq,
+                                         wait=False)
+                    except ShmAllReduceError as e:
+                        store.set(key, "!" + str(e))
+                        raise
+                    store.set(key, seg.name)
+                    seg.wait_attached()
+                else:
+                    name = store.get(key).decode()
+                    if name.startswith("!"):
+                        raise ShmAllReduceError(f"rank {local[0]} could not create this host's segment ({name[1:]})")
+                    seg = ShmSegment(name, len(local), local.index(self.rank), False, chunk_bytes, timeout_s,
+                                     start_seq)
+                self.segment = seg
+            except ShmAllReduceError as e:
+                problem = str(e)
+        ok = [None] * self.world_size
+        dist.all_gather_object(ok, problem is None, group=group)
+        if problem is None and not all(ok):
+            problem = "another host's ranks could not share a segment"
+        if problem is not None:
+            self.close()
+            self.leader_group, self.is_leader = None, True
+            self._fall_back(f"ranks on {len(order)} hosts ({', '.join(order)}): {problem}; gloo")
+            return
+        self.across_hosts = (f"ranks on {len(order)} hosts ({', '.join(order)}): shared memory among each host's "
+                             f"ranks, gloo between ranks {', '.join(map(str, leaders))}")
+        log.info("all-reduce of rank %d/%d: %s", self.rank, self.world_size, self.across_hosts)
+
     def _fall_back(self, reason: str) -> None:
         self.fallback_reason = reason
         log.warning("all-reduce of rank %d/%d: %s", self.rank, self.world_size, reason)
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
-        if self.segment is None or t.dtype not in _DTYPE_CODES or t.device.type != "cpu":
+        native = self.segment is not None or self.across_hosts is not None
+        if not native or t.dtype not in _DTYPE_CODES or t.device.type != "cpu":
             return super().all_reduce_(t)
         if t.is_contiguous():
-            return self.segment.all_reduce_(t)
+            return self._sum(t)
         c = t.contiguous()
-        self.segment.all_reduce_(c)
+        self._sum(c)
         t.copy_(c)
         return t
 
+    def _sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.across_hosts is None:
+            return self.segment.all_reduce_(t)
+        if self.segment is not None:  # this host's sum
+            self.segment.all_reduce_(t)
+        if self.is_leader:  # the hosts' sums
+            dist.all_reduce(t, group=self.leader_group)
+        else:
+            t.zero_()
+        if self.segment is not None:  # the leader's total, to this host's other ranks (x + 0 + ... = x)
+            self.segment.all_reduce_(t)
+        return t
+
     def native_all_reduce(self) -> tuple[int, int] | None:
-        # the same segment and sequence as all_reduce_: native and Python steps may interleave
-        return None if self.segment is None else self.segment.c_entry()
+        # the same segment and sequence as all_reduce_: native and Python steps may interleave; across
+        # hosts the segment sums one host only, so native callers take the per-op path
+        return None if self.segment is None or self.across_hosts is not None else self.segment.c_entry()
 
     def close(self) -> None:
         if self.segment is not None:

@@ -16,9 +16,12 @@ count.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,7 +74,11 @@ def _read(path: Path) -> str | None:
 
 
 def numa_nodes() -> dict[int, list[int]]:
-    """NUMA node -> its CPUs, from sysfs; one node with every CPU when sysfs has none."""
+    """NUMA node -> its CPUs, from sysfs; one node with every CPU when sysfs has none (inside
+    ``on_node``: that node's)."""
+    view = _VIEW.get()
+    if view is not None:
+        return {k: list(v) for k, v in view.numa.items()}
     nodes: dict[int, list[int]] = {}
     for d in sorted(_SYS.glob("node/node[0-9]*")):
         cl = _read(d / "cpulist")
@@ -84,6 +91,9 @@ def numa_nodes() -> dict[int, list[int]]:
 
 def core_of(cpu: int) -> tuple[int, int]:
     """(package, core) of a logical CPU; SMT siblings share it. Falls back to the CPU itself."""
+    view = _VIEW.get()
+    if view is not None:
+        return view.cores.get(cpu, (0, cpu))
     topo = _SYS / "cpu" / f"cpu{cpu}" / "topology"
     pkg, core = _read(topo / "physical_package_id"), _read(topo / "core_id")
     if pkg is None or core is None:
@@ -121,7 +131,7 @@ class Placement:
 
 def resolve(spec: str = "auto", num_threads: int | None = None, allowed: set[int] | None = None) -> Placement:
     """Turn ``--omp-threads-bind`` (+ an optional explicit thread count) into a Placement."""
-    allowed = set(os.sched_getaffinity(0)) if allowed is None else set(allowed)
+    allowed = _allowed() if allowed is None else set(allowed)
     warnings: list[str] = []
     if num_threads is not None and num_threads < 1:
         raise ApplianceError(f"--num-threads must be >= 1, got {num_threads}")
@@ -260,7 +270,7 @@ def resolve_ranks(spec: str, world_size: int, num_threads: int | None = None,
     ``num_threads``: threads per rank (default: every core of its list)."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ApplianceError(f"--omp-threads-bind: the number of ranks must be >= 1, got {world_size!r}")
-    allowed = set(os.sched_getaffinity(0)) if allowed is None else set(allowed)
+    allowed = _allowed() if allowed is None else set(allowed)
     spec = (spec or "auto").strip()
     if world_size == 1 and "|" not in spec:
         return [resolve(spec, num_threads, allowed)]
@@ -276,7 +286,9 @@ def resolve_ranks(spec: str, world_size: int, num_threads: int | None = None,
     if len(lists) != world_size:
         raise ApplianceError(f"--omp-threads-bind {spec}: {len(lists)} CPU list(s) for {world_size} ranks; give "
                              f"exactly {world_size} lists separated by '|' (e.g. 0-31|32-63), or auto")
-    existing = {c for cpus in nodes.values() for c in cpus} | set(range(os.cpu_count() or 0))
+    view = _VIEW.get()
+    existing = {c for cpus in nodes.values() for c in cpus} | (set(view.cores) if view is not None
+                                                               else set(range(os.cpu_count() or 0)))
     out, owner = [], {}
     for r, part in enumerate(lists):
         cpus = parse_cpu_list(part)
@@ -400,3 +412,78 @@ def rank_lists_spec(ranks: list[Placement]) -> str:
     if any(p.cpus is None for p in ranks):
         return "nobind"
     return "|".join(format_cpu_list(list(p.cpus)) for p in ranks)
+
+
+# ---- a rank's placement on the node it runs on (Ray across hosts) ------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeTopology:
+    """What placement needs to know of one host, read on that host (``local_topology``): its NUMA
+    nodes, each CPU's (package, core), and the CPUs a process there may use. Plain data, so a Ray
+    task on another node can read it there and send it back."""
+
+    host: str
+    numa: dict[int, tuple[int, ...]]
+    cores: dict[int, tuple[int, int]]
+    allowed: tuple[int, ...]
+
+
+_VIEW: contextvars.ContextVar[NodeTopology | None] = contextvars.ContextVar("appliance_node_view", default=None)
+
+
+def _allowed() -> set[int]:
+    view = _VIEW.get()
+    return set(view.allowed) if view is not None else set(os.sched_getaffinity(0))
+
+
+def local_topology(allowed: set[int] | None = None) -> NodeTopology:
+    """This host's topology (``allowed``: the CPUs to plan on; default this process's mask)."""
+    numa = {k: tuple(v) for k, v in numa_nodes().items()}
+    cpus = sorted({c for v in numa.values() for c in v} | set(os.sched_getaffinity(0)))
+    allowed = sorted(os.sched_getaffinity(0) if allowed is None else allowed)
+    return NodeTopology(socket.gethostname(), numa, {c: core_of(c) for c in cpus}, tuple(allowed))
+
+
+@contextlib.contextmanager
+def on_node(topo: NodeTopology):
+    """Inside: ``numa_nodes``, ``core_of``, ``resolve`` and ``resolve_ranks`` see ``topo`` instead of
+    this host (for this thread / task only)."""
+    token = _VIEW.set(topo)
+    try:
+        yield topo
+    finally:
+        _VIEW.reset(token)
+
+
+def node_rank_placements(spec: str, num_threads: int | None, rank_nodes: list,
+                         topologies: dict) -> list[Placement]:
+    """Each rank's Placement on the node it runs on, in that node's CPU numbering.
+
+    ``rank_nodes[r]``: the node (any key of ``topologies``) rank r landed on. The ranks of one node
+    (in rank order) are resolved by ``resolve_ranks`` on that node's topology as if they were the only
+    ranks: ``auto`` one rank per NUMA node of that node (or its physical cores split evenly),
+    ``nobind`` its cores shared, and an explicit "a|b|..." list (one per rank, as vLLM's
+    VLLM_CPU_OMP_THREADS_BIND) gives rank r its own list, read as CPU numbers of r's node, checked
+    there (they must exist and not overlap another rank's on that node). With every rank on one node
+    this is ``resolve_ranks(spec, len(rank_nodes), ...)`` on that node."""
+    spec = (spec or "auto").strip()
+    lists = spec.split("|") if "|" in spec else None
+    if lists is not None and len(lists) != len(rank_nodes):
+        raise ApplianceError(f"--omp-threads-bind {spec}: {len(lists)} CPU list(s) for {len(rank_nodes)} ranks; give "
+                             f"exactly {len(rank_nodes)} lists separated by '|', or auto")
+    out: list[Placement | None] = [None] * len(rank_nodes)
+    for node in dict.fromkeys(rank_nodes):
+        ranks = [r for r, n in enumerate(rank_nodes) if n == node]
+        topo = topologies[node]
+        sub = "|".join(lists[r] for r in ranks) if lists is not None else spec
+        try:
+            with on_node(topo):
+                ps = resolve_ranks(sub, len(ranks), num_threads, set(topo.allowed))
+                if len(ranks) == 1 < len(rank_nodes):  # a rank alone on its node: bound to it, as ranks are
+                    ps = [dataclasses.replace(ps[0], bind_memory=ps[0].numa_node is not None and len(topo.numa) > 1)]
+        except ApplianceError as e:
+            raise ApplianceError(f"rank(s) {', '.join(map(str, ranks))} on node {topo.host}: {e}") from None
+        for r, p in zip(ranks, ps):
+            out[r] = dataclasses.replace(p, spec=spec)
+    return out  # type: ignore[return-value]

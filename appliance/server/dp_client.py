@@ -120,7 +120,8 @@ def _too_many(n: int, tp: int, per: int, have: int, nt: int | None, spec: str = 
 
 
 def check_backend(config: EngineConfig) -> None:
-    """``--distributed-executor-backend ray`` without Ray installed: refused before anything starts."""
+    """``--distributed-executor-backend ray`` without Ray installed, or with an
+    ``APPLIANCE_RAY_PLACEMENT_STRATEGY`` that is no strategy: refused before anything starts."""
     if config.distributed_executor_backend == "ray":
         try:
             import ray  # noqa: F401
@@ -128,6 +129,9 @@ def check_backend(config: EngineConfig) -> None:
             raise ApplianceError('--distributed-executor-backend ray: the ray package is not installed; '
                                  'install it with: pip install "appliance[ray]" (or use --distributed-executor-'
                                  'backend mp)') from None
+        from appliance.server.ray_executor import placement_strategy
+
+        placement_strategy()  # APPLIANCE_RAY_PLACEMENT_STRATEGY: refused here if it names no strategy
 
 
 def uses_replica_set(config: EngineConfig) -> bool:
@@ -144,7 +148,8 @@ class DPEngineClient:
         check_backend(config)
         self.config = config
         self.log_level = log_level
-        self.rank_groups = replica_rank_groups(config)
+        self._allowed = set(os.sched_getaffinity(0))
+        self.rank_groups = replica_rank_groups(config, self._allowed)
         spec = (config.omp_threads_bind or "auto").strip()
         self.placements = [g[0] if len(g) == 1 else threads.ranks_union(g, spec) for g in self.rank_groups]
         configs = replica_configs(config, self.rank_groups)
@@ -152,6 +157,7 @@ class DPEngineClient:
         self.dead: str | None = None
         self.last_stats: dict = {}
         self._ray = None
+        self.hosts: list[str] | None = None  # under Ray: each replica's node's host name
         if config.distributed_executor_backend == "ray":
             from appliance.server.ray_executor import RayEngineClient, RayReplicaSet
 
@@ -204,8 +210,21 @@ class DPEngineClient:
         """Start every replica; they load the model at the same time, each on its own CPUs."""
         if self._ray is not None:
             self._ray.start()
+            self._plan_on_nodes()
         for r in self.replicas:
             r.start_process()
+
+    def _plan_on_nodes(self) -> None:
+        """Under Ray: each replica's ranks planned again on the node its actor was placed on (on one
+        host this is the plan made at construction; across hosts each node's CPU numbering)."""
+        tp = self.config.tensor_parallel_size
+        spec = (self.config.omp_threads_bind or "auto").strip()
+        flat = self._ray.node_placements(spec, self.config.num_threads, self._allowed, ranks_per_bundle=tp)
+        self.rank_groups = [flat[i * tp:(i + 1) * tp] for i in range(len(self.replicas))]
+        self.placements = [g[0] if tp == 1 else threads.ranks_union(g, spec) for g in self.rank_groups]
+        for r, c, p in zip(self.replicas, replica_configs(self.config, self.rank_groups), self.placements):
+            r.config, r.placement = c, p
+        self.hosts = self._ray.node_hosts()
 
     def wait_ready(self, timeout: float | None = None) -> dict:
         infos = []
@@ -220,11 +239,13 @@ class DPEngineClient:
         info["max_num_seqs"] = sum(i["max_num_seqs"] for i in infos)
         info["data_parallel_size"] = n
         info["distributed_executor_backend"] = self.config.distributed_executor_backend
+        hosts = self.hosts or [None] * n
         info["replicas"] = [{"pid": i["pid"], "num_threads": i["num_threads"], "num_kv_blocks": i["num_kv_blocks"],
                              "cpus": threads.format_cpu_list(list(p.cpus)) if p.cpus else "not pinned",
+                             **({"host": h} if h else {}),
                              **({"ranks": threads.rank_lists_spec(g), "tensor_parallel": i.get("tensor_parallel")}
                                 if len(g) > 1 else {})}
-                            for i, p, g in zip(infos, self.placements, self.rank_groups)]
+                            for i, p, g, h in zip(infos, self.placements, self.rank_groups, hosts)]
         self.info = info
         return info
 

@@ -246,8 +246,8 @@ def serve(engine_config: EngineConfig, server: ServerConfig) -> int:
         raise
     log.info("engine ready in %.1f s", time.perf_counter() - t0)
     for i, r in enumerate(info.get("replicas", [])):
-        log.info("data-parallel replica %d: pid %d, %d threads on CPUs %s, %d KV blocks", i, r["pid"],
-                 r["num_threads"], r["cpus"], r["num_kv_blocks"])
+        log.info("data-parallel replica %d: pid %d, %d threads on CPUs %s, %d KV blocks%s", i, r["pid"],
+                 r["num_threads"], r["cpus"], r["num_kv_blocks"], f", host {r['host']}" if r.get("host") else "")
     metrics = ServerMetrics(names[0])
     metrics.runtime = info.get("runtime") or {}
     serving = OpenAIServing(client, tokenizer, names, metrics, server.max_queued_requests, chat_options)

@@ -16,8 +16,13 @@ in its bundle with the replica's OpenMP environment (thread count, places, alloc
 Tensor-parallel worker ranks as actors: appliance/distributed/ray_ranks.py (its own placement group
 through ``RayReplicaSet``, one bundle per rank; rank 0 is the engine).
 
-Limits: CPU pinning is computed by the driver from this host's CPUs, so replicas on other hosts
-(a multi-node ``RAY_ADDRESS``) would need their own placement computed on their node.
+Several hosts (a multi-node ``RAY_ADDRESS``): the placement group's strategy is PACK by default (as
+vLLM's Ray executor: as few nodes as the bundles fit on), or ``APPLIANCE_RAY_PLACEMENT_STRATEGY``
+(SPREAD, STRICT_PACK, STRICT_SPREAD). Once the group is placed, ``RayReplicaSet`` learns which node
+each bundle landed on and reads every other node's topology there (a zero-CPU task on that node), and
+``node_placements`` plans each actor's CPUs on its own node (``threads.node_rank_placements``): the
+bundles' CPU counts come from the driver's plan (nodes alike, as Ray clusters usually are), the CPU
+numbers from the node the actor runs on.
 """
 from __future__ import annotations
 
@@ -132,6 +137,26 @@ class EngineCoreActor:
         ray.actor.exit_actor()
 
 
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+STRATEGY_VAR = "APPLIANCE_RAY_PLACEMENT_STRATEGY"
+
+
+def placement_strategy() -> str:
+    """The placement group strategy: ``APPLIANCE_RAY_PLACEMENT_STRATEGY`` (default PACK), checked."""
+    s = os.environ.get(STRATEGY_VAR, "").strip().upper() or "PACK"
+    if s not in PLACEMENT_STRATEGIES:
+        raise ApplianceError(f"{STRATEGY_VAR}={os.environ[STRATEGY_VAR]!r} is not a Ray placement group strategy; "
+                             f"valid: {', '.join(PLACEMENT_STRATEGIES)}")
+    return s
+
+
+def _node_topology():
+    """Run on a node (as a Ray task): that node's topology for placement."""
+    from appliance.runtime.threads import local_topology
+
+    return local_topology()
+
+
 class RayReplicaSet:
     """The Ray side of a replica set: Ray itself, the placement group (one bundle per replica), the actors."""
 
@@ -144,6 +169,10 @@ class RayReplicaSet:
         self.bundle_threads = bundle_threads or [p.num_threads for p in placements]
         self.pg = None
         self.started_ray = False
+        self.strategy = placement_strategy()
+        self.local_node: str | None = None  # this process's Ray node id
+        self.bundle_nodes: list[str] = []  # the node id each bundle was placed on
+        self.topologies: dict = {}  # node id -> threads.NodeTopology
 
     def start(self) -> None:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -161,13 +190,49 @@ class RayReplicaSet:
                          logging_level=logging.WARNING)
             self.started_ray = True
         bundles = [{"CPU": t} for t in self.bundle_threads]
-        self.pg = placement_group(bundles, strategy="PACK", name=self.name)
+        self.pg = placement_group(bundles, strategy=self.strategy, name=self.name)
         try:
             ray.get(self.pg.ready(), timeout=60)
         except Exception as e:  # noqa: BLE001 - ray raises its own timeout types
             raise ApplianceError(f"--distributed-executor-backend ray: the placement group of {len(bundles)} "
-                                 f"bundle(s) {bundles} was not placed within 60 s ({type(e).__name__}: {e}); "
-                                 f"Ray sees {ray.cluster_resources().get('CPU', 0)} CPUs") from None
+                                 f"bundle(s) {bundles} ({self.strategy}) was not placed within 60 s "
+                                 f"({type(e).__name__}: {e}); Ray sees {ray.cluster_resources().get('CPU', 0)} CPUs "
+                                 f"on {len(ray.nodes())} node(s)") from None
+        self._learn_nodes()
+
+    def _learn_nodes(self) -> None:
+        """Which node each bundle is on, and the topology of every node other than this one (read there)."""
+        import ray
+        from ray.util import placement_group_table
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self.local_node = ray.get_runtime_context().get_node_id()
+        where = placement_group_table(self.pg)["bundles_to_node_id"]
+        self.bundle_nodes = [where[i] for i in range(len(self.bundle_threads))]
+        remote = [n for n in dict.fromkeys(self.bundle_nodes) if n != self.local_node]
+        probe = ray.remote(num_cpus=0, max_retries=0)(_node_topology)
+        refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
+                for n in remote]
+        self.topologies = dict(zip(remote, ray.get(refs, timeout=120)))
+
+    def node_placements(self, spec: str, num_threads: int | None, local_allowed: set[int],
+                        leading_local: int = 0, ranks_per_bundle: int = 1) -> list:
+        """Every rank's Placement planned on the node it landed on (``threads.node_rank_placements``):
+        ``leading_local`` ranks in this process's node first (a tensor-parallel rank 0, which is this
+        process and has no bundle), then ``ranks_per_bundle`` ranks per bundle (a data-parallel
+        replica's tensor-parallel ranks are planned on its rank 0's node). ``local_allowed``: the CPUs
+        this node offers (what the driver's own plan used), so that on one host the plan is the driver's."""
+        from appliance.runtime import threads
+
+        topologies = {**self.topologies, self.local_node: threads.local_topology(local_allowed)}
+        rank_nodes = [self.local_node] * leading_local + [n for n in self.bundle_nodes for _ in range(ranks_per_bundle)]
+        return threads.node_rank_placements(spec, num_threads, rank_nodes, topologies)
+
+    def node_hosts(self) -> list[str]:
+        """The host name of each bundle's node."""
+        import socket
+
+        return [self.topologies[n].host if n in self.topologies else socket.gethostname() for n in self.bundle_nodes]
 
     def create_actor(self, index: int, env: dict[str, str], cls=EngineCoreActor, name: str | None = None):
         import ray

@@ -97,11 +97,46 @@ def die(rank: int, world: int) -> dict:
         return {"error": str(e), "seconds": time.monotonic() - start, "again": again, "first": t[0].item()}
 
 
+def across_hosts(rank: int, world: int) -> dict:
+    """Ranks on the hosts named by SHM_TEST_HOSTS (one name per rank, given to socket.gethostname in
+    this process): each host's ranks share a segment, the hosts' first ranks sum over gloo."""
+    import hashlib
+    import socket
+
+    names = os.environ["SHM_TEST_HOSTS"].split(",")
+    socket.gethostname = lambda: names[rank]
+    comm = make_communicator("shm", None, rank, world)
+    out = {"across": comm.across_hosts, "segment": comm.segment is not None, "leader": comm.is_leader,
+           "native_entry": comm.native_all_reduce() is not None, "fallback": comm.fallback_reason, "cases": []}
+    eps = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8}
+    for dname, dtype in DTYPES.items():
+        for n in (1, 7, 1024, 1 << 18, 1_000_003):  # 1_000_003 float32 spans two 4 MB chunks
+            a = rank_input(rank, n, dtype)
+            comm.all_reduce_(a)
+            xs = [rank_input(r, n, dtype).double() for r in range(world)]
+            exact = sum(xs)
+            # each of the (world - 1) additions rounds once, by at most eps x the partial sum
+            bound = (world - 1) * eps[dtype] * sum(x.abs() for x in xs) + 1e-30
+            digest = hashlib.sha256(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).numpy()
+                                    .tobytes()).hexdigest()
+            digests = [None] * world
+            dist.all_gather_object(digests, digest)
+            out["cases"].append({"dtype": dname, "n": n, "err_over_bound": ((a.double() - exact).abs() / bound).max()
+                                 .item(), "same_on_every_rank": len(set(digests)) == 1})
+    m = torch.arange(12, dtype=torch.float32).view(3, 4) * (rank + 1)
+    comm.all_reduce_(m.t())
+    out["noncontiguous_ok"] = torch.equal(m, torch.arange(12, dtype=torch.float32).view(3, 4) * sum(range(1, world + 1)))
+    comm.close()
+    dist.barrier()
+    out["leaked_at_end"] = leaked()
+    return out
+
+
 def main() -> None:
     mode, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    report = {"compare": compare, "die": die}[mode](rank, world)
+    report = {"compare": compare, "die": die, "hosts": across_hosts}[mode](rank, world)
     with open(out, "w") as f:
         json.dump(report, f)
     os._exit(0)  # skip process-group teardown: after "die" the peer is gone

@@ -236,6 +236,26 @@ def test_communicator_equals_gloo_two_processes(tmp_path):
             assert c["vs_fp64_rounded"] == 0.0, (r, c)
 
 
+@pytest.mark.parametrize("hosts", ["a,a,b,b", "a,b,a"])
+def test_ranks_on_several_hosts_share_memory_within_each_host(tmp_path, hosts):
+    """Ranks on several hosts (Ray): each host's ranks sum through their own segment, the hosts' first
+    ranks over gloo, the total goes back through the segment; every rank ends with the same sum,
+    within the rounding bound of world - 1 additions of the fp64 sum; no native entry (the one-call
+    stack would sum one host only); nothing left in /dev/shm."""
+    names = hosts.split(",")
+    world = len(names)
+    codes, reports = _spawn("hosts", world, tmp_path, env={"SHM_TEST_HOSTS": hosts})
+    assert codes == [0] * world, reports
+    for r, rep in enumerate(reports):
+        assert rep["fallback"] is None and rep["across"].startswith("ranks on 2 hosts"), rep
+        assert rep["segment"] == (names.count(names[r]) > 1), (r, rep)
+        assert rep["leader"] == (names.index(names[r]) == r), (r, rep)
+        assert not rep["native_entry"] and rep["noncontiguous_ok"] and rep["leaked_at_end"] == []
+        assert len(rep["cases"]) == 10
+        for c in rep["cases"]:
+            assert c["same_on_every_rank"] and c["err_over_bound"] <= 1.0, (r, c)
+
+
 def test_dead_rank_is_reported_not_waited_for(tmp_path):
     codes, reports = _spawn("die", 2, tmp_path, env={"SHM_TEST_TIMEOUT": "60"})
     assert codes == [0, 3]

@@ -48,6 +48,15 @@ def test_rank1_is_a_ray_actor_in_a_placement_group(engines):
     assert ray.get_actor("appliance-tp-rank1") is not None
     assert tp2.runner.ray_set.pg is not None
     assert tp2.runner.comm.native_all_reduce() is not None  # one host: shared memory, as spawned ranks
+    # the group was placed on this node, so no other node's topology was read, and rank 1's CPUs planned on
+    # its node are the driver's own plan (resolve_ranks over this process's CPUs): its rank thread runs there
+    rs = tp2.runner.ray_set
+    assert rs.strategy == "PACK" and rs.bundle_nodes == [rs.local_node] and rs.topologies == {}
+    from appliance.runtime import threads
+
+    want = threads.resolve_ranks("auto", 2, allowed=set(tp2.runner._saved[0]))[1]
+    tids = [t for t, cpus in threads.thread_affinities(rank1.pid).items() if cpus == threads.format_cpu_list(want.cpus)]
+    assert tids, (want, threads.thread_affinities(rank1.pid))
 
 
 @pytest.mark.parametrize("stagger", [0, 3])

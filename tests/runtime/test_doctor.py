@@ -86,3 +86,71 @@ def test_rich_output_runs():
     r = subprocess.run([sys.executable, "-m", "appliance.doctor"], cwd=REPO, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode in (0, 1) and "appliance doctor" in r.stdout and "allocator" in r.stdout
+
+
+def _doctor_json(*args: str, env: dict | None = None) -> tuple[int, dict]:
+    r = subprocess.run([sys.executable, "-m", "appliance.cli", "doctor", "--json", *args], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+    assert r.returncode in (0, 1), r.stderr
+    data = json.loads(r.stdout)
+    assert validate(data) == []
+    return r.returncode, data
+
+
+def test_placement_per_rank_as_serve_would_make_it():
+    """`doctor --json -tp/-dp/--omp-threads-bind` shows each rank's CPUs: what resolve_ranks gives serve."""
+    from appliance.runtime import threads
+
+    _, data = _doctor_json()
+    pl = data["placement"]
+    one = threads.resolve("auto")
+    assert (pl["tensor_parallel_size"], pl["data_parallel_size"], pl["error"]) == (1, 1, None)
+    assert [(x["replica"], x["rank"], x["cpus"]) for x in pl["ranks"]] == [(0, 0, list(one.cpus))]
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return
+    a, b = cpus[:2]
+    for args, env, shape in (
+            (("-tp", "2"), {}, [(0, 0), (0, 1)]),
+            (("-tp", "2", "--omp-threads-bind", f"{b}|{a}"), {}, [(0, 0), (0, 1)]),
+            (("-dp", "2"), {"VLLM_CPU_OMP_THREADS_BIND": f"{b}|{a}"}, [(0, 0), (1, 0)])):
+        rc, data = _doctor_json(*args, env=env)
+        pl = data["placement"]
+        spec = args[-1] if "--omp-threads-bind" in args else env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+        want = threads.resolve_ranks(spec, 2)
+        assert pl["error"] is None and pl["omp_threads_bind"] == spec, pl
+        assert [(x["replica"], x["rank"]) for x in pl["ranks"]] == shape
+        assert [x["cpus"] for x in pl["ranks"]] == [list(p.cpus) for p in want], (args, pl)
+        assert [x["omp_places"] for x in pl["ranks"]] == [threads.omp_env(p)["OMP_PLACES"] for p in want]
+        assert not set(pl["ranks"][0]["cpus"]) & set(pl["ranks"][1]["cpus"])
+    # what serve would refuse: an error problem naming the flag and the value, exit code 1
+    rc, data = _doctor_json("-tp", "2", "--omp-threads-bind", f"{a}|{a}")
+    assert rc == 1 and data["placement"]["ranks"] == []
+    assert f"CPU {a} is in the lists of ranks 0 and 1" in data["placement"]["error"]
+    assert any(p["severity"] == "error" and p["what"].startswith("placement: --omp-threads-bind")
+               for p in data["problems"]), data["problems"]
+    rc, data = _doctor_json("-tp", "2", "-dp", "1", "--omp-threads-bind", f"{a}|{b}|{a}")
+    assert rc == 1 and "3 CPU lists ('|' separates ranks) for 2 rank(s)" in data["placement"]["error"]
+
+
+def test_placement_one_rank_per_numa_node_on_two_nodes():
+    """On a two-node host (a fake topology), auto gives each rank a node and binds its memory there."""
+    from appliance.doctor import placement_plan
+    from appliance.runtime import threads
+
+    host = threads.NodeTopology("two", {0: (0, 1, 2, 3), 1: (4, 5, 6, 7)}, {c: (c // 4, c) for c in range(8)},
+                                tuple(range(8)))
+    with threads.on_node(host):
+        pl = placement_plan(tensor_parallel_size=2)
+    assert pl["error"] is None
+    assert [(x["cpus"], x["numa_node"], x["bind_memory"]) for x in pl["ranks"]] == [
+        ([0, 1, 2, 3], 0, True), ([4, 5, 6, 7], 1, True)]
+    assert "memory bound to it" in pl["ranks"][1]["describe"]
+
+
+def test_placement_row_in_rich_output():
+    r = subprocess.run([sys.executable, "-m", "appliance.cli", "doctor", "-tp", "2"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode in (0, 1), r.stderr
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert "replica 0 rank 1: 1 OpenMP threads, pinned to CPUs" in r.stdout, r.stdout

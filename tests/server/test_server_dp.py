@@ -308,7 +308,13 @@ def test_sigterm_drains_both_replicas(dp2):
 
 @needs_two
 def test_killed_replica_fails_requests_and_stops_server(start_server, slow_model_dir):
-    srv = start_server(slow_model_dir, *FLAGS, "-dp", "2")
+    check_killed_replica(start_server(slow_model_dir, *FLAGS, "-dp", "2"))
+
+
+def check_killed_replica(srv) -> None:
+    """Replica 0's process killed while both replicas stream: every in-flight stream ends with an
+    engine_dead error, new requests get 503 naming the replica, the server exits non-zero within 20 s.
+    (Also run for the Ray backend: tests/server/test_server_dp_ray.py.)"""
     try:
         pids = replica_pids(srv.output())
         runs = []
