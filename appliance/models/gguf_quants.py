@@ -36,6 +36,10 @@ where the group straddles 0, as trained weights do. A group whose scale is 0 (``
 ``sc == 0``: every weight ``-M``) gets ``u = 0`` and the power-of-two scale ``2^floor(log2 |M|)``
 instead, which makes it exact (``M / scale`` and ``zp`` are then exact in fp32).
 
+The K-quants (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K) also give their own scales (``KQuantScales``: int8 sub-scales
+``sc`` (Q3_K: ``sc - 32``) and mins ``mn`` per group, ``d``/``dmin`` per super-block, ``q + shift``
+the file's integer), which the low-bit methods hold instead of fp32 per group.
+
 W4 groups run on ``w4a8_dynquant``/``w4a16_int4pack``; W8 groups (16 or 32, with or without zero
 point) only on ``w8a8_native`` (``QuantLinear(..., w8_groups=True)``).
 """
@@ -345,6 +349,11 @@ class Q2_K(BlockType):
     values, fp16 d, fp16 dmin. w = d sc u - dmin mn."""
 
     name, scheme, group, has_zero_point = "Q2_K", "w8a8", 16, True
+    kshift = 2  # q = u - 2
+
+    def kscales(self, blocks):
+        s = blocks[:, 0:16]
+        return (s & 15).astype(np.int8), (s >> 4).astype(np.int8), _f16(blocks, 80), _f16(blocks, 82)
 
     def decode(self, blocks):
         s = blocks[:, 0:16]
@@ -360,10 +369,18 @@ class Q3_K(BlockType):
     w = d (sc - 32) q with q = low 2 bits - 4 where the mask bit is clear: q in [-4, 3]."""
 
     name, scheme, group, has_zero_point = "Q3_K", "w8a8", 16, False
+    kshift = 0  # q = q3, which is what d (sc - 32) multiplies
+
+    @staticmethod
+    def _sc(blocks):  # the 16 signed sub-scales sc - 32, in [-32, 31]
+        s = blocks[:, 96:108]
+        sc = _low_high(s[:, 0:8]) | (_planes(s[:, 8:12], 2).reshape(-1, 16) << 4)
+        return sc.astype(np.int8) - 32
+
+    def kscales(self, blocks):
+        return self._sc(blocks), None, _f16(blocks, 108), None
 
     def decode(self, blocks):
         hmask = _planes(blocks[:, 0:32], 1).reshape(-1, 256)
         q = _two_bit(blocks[:, 32:96]).astype(np.int8) - 4 * (1 - hmask).astype(np.int8)
-        s = blocks[:, 96:108]
-        sc = _low_high(s[:, 0:8]) | (_planes(s[:, 8:12], 2).reshape(-1, 16) << 4)
-        return q, (_f16(blocks, 108)[:, None] * (sc.astype(np.float64) - 32)).astype(np.float32), None
+        return q, (_f16(blocks, 108)[:, None] * self._sc(blocks).astype(np.float64)).astype(np.float32), None
