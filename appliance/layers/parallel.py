@@ -15,15 +15,23 @@ A layer is built with its full (checkpoint) sizes and a ``tp`` mode; in a tensor
 The rank's part is cut in the per-parameter weight loaders (``rank_part``), so every weight source
 (safetensors, compressed-tensors, AWQ/GPTQ, GGUF) shards alike, float or quantized. Quantized
 row-parallel layers split on group boundaries (a group size that does not divide the rank's part
-of the input is refused at load); per-channel scales are whole on every rank. Note that A8 methods
+of the input is refused at load); per-channel scales are whole on every rank. A GGUF K-quant's own
+scales (``KQuantScales``) are split alike: by rows, or, row-parallel, by groups and super-blocks of
+256 when each rank's part holds whole super-blocks; where it does not (e.g. 128 inputs a rank), the
+rank's layer is packed from the fp32 group scales instead (same weights; logged). Note that A8 methods
 quantize activations per token over the rank's slice of the input: a row-parallel W8A8 layer under
 TP is the sum of per-rank A8 products, not bit-identical to the unsharded one (as in vLLM).
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import torch
 
 from appliance.distributed.parallel_state import TPGroup, get_tp_group
+
+log = logging.getLogger("appliance")
 
 TP_MODES = ("column", "row", "row_partial", "vocab")
 ROW_MODES = ("row", "row_partial")
@@ -105,9 +113,12 @@ def rank_part(layer, param: torch.Tensor, loaded, shard_id: str | None):
     if mode in ("column", "vocab"):
         if isinstance(loaded, QuantizedWeight):
             zp = loaded.zero_point
-            return QuantizedWeight(_rows(loaded.qweight, layer, shard_id), _rows(loaded.scale, layer, shard_id),
-                                   None if zp is None else _rows(zp, layer, shard_id), loaded.group_size,
-                                   loaded.scheme)
+            rows = lambda t: None if t is None else _rows(t, layer, shard_id)  # noqa: E731
+            kq = loaded.kquant
+            if kq is not None:  # a K-quant's row tables follow the rows
+                kq = dataclasses.replace(kq, **{f: rows(getattr(kq, f)) for f in _KQ_TABLES})
+            return QuantizedWeight(rows(loaded.qweight), rows(loaded.scale), rows(zp), loaded.group_size,
+                                   loaded.scheme, kq)
         return _rows(loaded, layer, shard_id)
     # row, row_partial: split the input dimension; a bias (1-D) is added once, by rank 0
     if not isinstance(loaded, QuantizedWeight):
@@ -123,6 +134,38 @@ def rank_part(layer, param: torch.Tensor, loaded, shard_id: str | None):
         raise WeightLoadError(f"has groups of {loaded.group_size} inputs, which do not split at "
                               f"tensor_parallel_size={g.world_size} (each rank's {k} inputs must hold whole groups)")
     zp = loaded.zero_point
-    ng = k // loaded.group_size
-    cut = lambda t: t.narrow(1, g.rank * ng, ng)  # noqa: E731
-    return QuantizedWeight(q, cut(loaded.scale), None if zp is None else cut(zp), loaded.group_size, loaded.scheme)
+
+    def cut(t, group):  # this rank's columns of a per-group table
+        if t is None:
+            return None
+        n = k // group
+        return t.narrow(1, g.rank * n, n)
+
+    return QuantizedWeight(q, cut(loaded.scale, loaded.group_size), cut(zp, loaded.group_size), loaded.group_size,
+                           loaded.scheme, _row_kquant(layer, loaded.kquant, k, cut))
+
+
+# KQuantScales' per-row tables (``appliance.models.gguf_quants``)
+_KQ_TABLES = ("sub", "submin", "sup", "supmin")
+_fallbacks_said: set = set()
+
+
+def _row_kquant(layer, kq, k: int, cut):
+    """A row-parallel rank's part of a K-quant's scales: its groups' sub-scales and its super-blocks'
+    scales, when its ``k`` inputs hold whole super-blocks; otherwise None (a super-block cut between
+    ranks cannot keep one ``d``/``dmin`` per rank's part of it: the layer is packed from the plain
+    fp32 group scales instead, exactly the same weights, more bytes held), which is logged once per
+    shape and super-block."""
+    if kq is None:
+        return None
+    if k % kq.super_block == 0:
+        return dataclasses.replace(kq, sub=cut(kq.sub, kq.group), submin=cut(kq.submin, kq.group),
+                                   sup=cut(kq.sup, kq.super_block), supmin=cut(kq.supmin, kq.super_block))
+    key = (k, kq.super_block, layer.tp_group.world_size)
+    if key not in _fallbacks_said:
+        _fallbacks_said.add(key)
+        log.warning("tensor_parallel_size=%d: a row-parallel layer's %d inputs per rank do not hold whole K-quant "
+                    "super-blocks of %d; such layers keep fp32 group scales (the plain low-bit pack: the same "
+                    "weights, more bytes) instead of the file's own scales", layer.tp_group.world_size, k,
+                    kq.super_block)
+    return None
