@@ -1,8 +1,8 @@
 """GGUF K-quant layers sharded over two ranks (gloo on loopback) keep the file's own scales
 (``lowbit.pack_kquant``): the weight loader cuts each rank's part of the ``KQuantScales`` tables with
 its rows (column-parallel) or with its inputs (row-parallel, whole super-blocks of 256). A row-parallel
-rank whose inputs would cut a super-block holds the plain fp32 group form instead, says so in the log,
-and computes the same thing.
+rank whose inputs would cut a super-block holds the plain fp32 group form instead, says so in the log
+and in the weight report's method (``/fp32-scales``), and computes the same thing.
 
 What is checked: each rank's packed layer is a K-quant pack (``"kf"``) whose weights, read back, are
 exactly the unsharded layer's rows / columns (both read back from the same kind of pack: bit for
@@ -24,6 +24,7 @@ from appliance.layers.linear import Linear
 from appliance.layers.methods.qmath import group_sums, quant_act_asym
 from appliance.layers.quant import QuantLinear
 from appliance.layers.weight_loading import QuantizedWeight
+from appliance.layers.weight_report import note_stored_format, weight_groups
 from appliance.models.gguf_quants import KEPT, canonical
 from appliance.ops import native
 
@@ -149,6 +150,11 @@ def test_row_parallel_cut_inside_a_super_block_falls_back_to_group_scales(ranks,
             assert "kf" not in lay.packed
     said = [r.getMessage() for r in caplog.records if "super-blocks" in r.getMessage()]
     assert len(said) == 1 and "128 inputs per rank" in said[0] and "super-blocks of 256" in said[0], said
+    note_stored_format(full, "Q4_K")
+    assert [g.method for g in weight_groups(full)] == ["w4a8_native"]
+    for lay in layers:  # what the banner and doctor say of such a layer
+        note_stored_format(lay, "Q4_K")
+        assert [g.method for g in weight_groups(lay)] == ["w4a8_native/fp32-scales"]
     w = _weights(full)
     for r, lay in enumerate(layers):  # the fp32 group form rounds d sc u - dmin mn through a zero point
         part = w[:, r * k // 2:(r + 1) * k // 2]

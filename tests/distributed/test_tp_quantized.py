@@ -20,6 +20,7 @@ from appliance import LLM
 from appliance.layers import parallel
 from appliance.layers.quant import QuantLinear
 from appliance.layers.vocab import QuantEmbedding
+from appliance.layers.weight_report import weight_groups
 
 KW = dict(dtype="float32", num_kv_blocks=32, max_model_len=128)
 IDS = list(range(3, 40))
@@ -105,6 +106,8 @@ def test_gguf_q4_k_m_keeps_its_k_quant_scales_on_every_rank(tmp_path, caplog):
     try:
         got = engine_logits(two, IDS)
         stats = two.engine.runner.rank_stats()
+        # the banner's / doctor's groups (rank 0's model): o_proj's fallback is named, no other layer's
+        methods = {(g.role, g.method) for g in weight_groups(two.engine.runner.model) if g.role in ("qkv", "o", "down")}
     finally:
         two.engine.runner.close()
     assert len(stats) == 2
@@ -112,4 +115,6 @@ def test_gguf_q4_k_m_keeps_its_k_quant_scales_on_every_rank(tmp_path, caplog):
         assert s["kquant_layers"] == sorted(blocks + ["lm_head"]), s
     said = [r.getMessage() for r in caplog.records if "super-blocks" in r.getMessage()]
     assert said and "128 inputs per rank" in said[0], said
+    assert methods == {("qkv", "w4a8_native"), ("qkv", "w6a8_native"), ("o", "w4a8_native/fp32-scales"),
+                       ("down", "w4a8_native"), ("down", "w6a8_native")}, methods
     _assert_close_as_tp1("GGUF Q4_K_M", got, want, flt)
