@@ -66,9 +66,9 @@ def _reference_weights(qtype: str, raw: np.ndarray, n: int, k: int) -> torch.Ten
 def kquant_reference(x: torch.Tensor, qweight: torch.Tensor, t: dict) -> torch.Tensor:
     """fp64 reference of the kernel's math on the file's weights: the activations quantized per token
     (``quant_act_asym``) meet ``d sc q``; the offset ``d sc shift - dmin mn`` meets the float
-    activations' group sums. Where a group's scale is not 0 this is ``method.reference`` of the
-    canonical form; where it is 0 (sc = 0: every weight ``-dmin mn``), the canonical form substitutes
-    a power-of-two scale and integers -8, whose part would meet the quantized activations instead."""
+    activations' group sums. This is ``method.reference`` of the canonical form, groups of scale 0
+    included (sc = 0: every weight ``-dmin mn``; the canonical form holds q = 0 there and all of the
+    weight in its zero point, as the K-quant form holds all of it in ``dmin mn``)."""
     g, sb = t["group"], t["super"]
     scale = t["sup"].double().repeat_interleave(sb // g, dim=1) * t["sub"].double()
     off = t["shift"].double()[:, None] * scale
@@ -101,10 +101,11 @@ def test_held_weights_are_ggufs_dequantization_and_outputs_the_reference(qtype, 
     tol = 0.0 if qtype in _SYMMETRIC else 2.0 ** -23
     assert ((got - want).reshape(n, -1, 16).abs() <= tol * groupmax + 1e-30).all()
     _check_outputs(m, p, cw.qweight, t, k)
-    if not (cw.kquant.sub == 0).any():  # no group with scale 0: the method's own reference of the canonical form
-        x = torch.randn(3, k)
-        ref = m.reference(x, cw.qweight, cw.scale, zero_point=cw.zero_point)
-        assert (m.apply(p, x).double() - ref).abs().max().item() <= 2e-5 * ref.abs().max().item()
+    # the method's own reference of the canonical form: the same math (random blocks have groups of scale 0)
+    assert qtype in _SYMMETRIC or (cw.kquant.sub == 0).any()
+    x = torch.randn(3, k)
+    ref = m.reference(x, cw.qweight, cw.scale, zero_point=cw.zero_point)
+    assert (m.apply(p, x).double() - ref).abs().max().item() <= 2e-5 * ref.abs().max().item()
     per_weight = packed_bytes(p) / (((n + 15) // 16 * 16) * k)
     mins = cw.kquant.submin is not None
     want_bpw = (m.bits / 8 + (2 if mins else 1) / cw.group + (8 if mins else 4) / 256
