@@ -109,7 +109,8 @@ def _kquant_reference(x: torch.Tensor, qweight: torch.Tensor, t: dict) -> torch.
 
 
 def _row_reference(layers, parts) -> torch.Tensor:
-    return sum(_kquant_reference(p, lay.__dict__["_canonical"], lay.__dict__["_tables"]) for lay, p in zip(layers, parts))
+    return sum(_kquant_reference(p, lay.__dict__["_canonical"], lay.__dict__["_tables"])
+               for lay, p in zip(layers, parts))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q3_K"])

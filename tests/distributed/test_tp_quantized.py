@@ -78,7 +78,8 @@ def test_w8a8_quantized_at_load(llama_dir):
 
 
 def _kquant_layers(model) -> list[str]:
-    return sorted(n for n, m in model.named_modules() if isinstance(getattr(m, "packed", None), dict) and "kf" in m.packed)
+    return sorted(n for n, m in model.named_modules()
+                  if isinstance(getattr(m, "packed", None), dict) and "kf" in m.packed)
 
 
 def test_gguf_q4_k_m_keeps_its_k_quant_scales_on_every_rank(tmp_path, caplog):

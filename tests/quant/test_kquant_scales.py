@@ -246,7 +246,8 @@ def test_q3_k_and_q2_k_layers_keep_their_scales(qtype):
     lin = QuantLinear(k, n, "w8a8", 16, w8_groups=True)
     from appliance.layers.weight_loading import QuantizedWeight, load_quant_linear
 
-    load_quant_linear(lin, lin.qweight, QuantizedWeight(cw.qweight, cw.scale, cw.zero_point, 16, "w8a8", cw.kquant), None)
+    rec = QuantizedWeight(cw.qweight, cw.scale, cw.zero_point, 16, "w8a8", cw.kquant)
+    load_quant_linear(lin, lin.qweight, rec, None)
     assert lin.preferred_backend() == "w6a8_native"
     t = lin.kquant_tables()
     assert t["shift"].unique().tolist() == [KEPT[qtype].kshift] and (t["submin"] is None) == (qtype == "Q3_K")
