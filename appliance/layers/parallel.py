@@ -16,22 +16,20 @@ The rank's part is cut in the per-parameter weight loaders (``rank_part``), so e
 (safetensors, compressed-tensors, AWQ/GPTQ, GGUF) shards alike, float or quantized. Quantized
 row-parallel layers split on group boundaries (a group size that does not divide the rank's part
 of the input is refused at load); per-channel scales are whole on every rank. A GGUF K-quant's own
-scales (``KQuantScales``) are split alike: by rows, or, row-parallel, by groups and super-blocks of
-256 when each rank's part holds whole super-blocks; where it does not (e.g. 128 inputs a rank), the
-rank's layer is packed from the fp32 group scales instead (same weights; logged). Note that A8 methods
+scales (``KQuantScales``) are split alike: by rows, or, row-parallel, by groups and super-blocks
+(a rank whose inputs cut a super-block of 256 holds finer ones, each with its file super-block's
+``d``/``dmin``: ``_row_kquant``). Note that A8 methods
 quantize activations per token over the rank's slice of the input: a row-parallel W8A8 layer under
 TP is the sum of per-rank A8 products, not bit-identical to the unsharded one (as in vLLM).
 """
 from __future__ import annotations
 
 import dataclasses
-import logging
+import math
 
 import torch
 
 from appliance.distributed.parallel_state import TPGroup, get_tp_group
-
-log = logging.getLogger("appliance")
 
 TP_MODES = ("column", "row", "row_partial", "vocab")
 ROW_MODES = ("row", "row_partial")
@@ -147,25 +145,21 @@ def rank_part(layer, param: torch.Tensor, loaded, shard_id: str | None):
 
 # KQuantScales' per-row tables (``appliance.models.gguf_quants``)
 _KQ_TABLES = ("sub", "submin", "sup", "supmin")
-_fallbacks_said: set = set()
 
 
 def _row_kquant(layer, kq, k: int, cut):
     """A row-parallel rank's part of a K-quant's scales: its groups' sub-scales and its super-blocks'
-    scales, when its ``k`` inputs hold whole super-blocks; otherwise None (a super-block cut between
-    ranks cannot keep one ``d``/``dmin`` per rank's part of it: the layer is packed from the plain
-    fp32 group scales instead, exactly the same weights, more bytes held), which is logged once per
-    shape and super-block."""
+    scales. Where its ``k`` inputs do not hold whole super-blocks (128 inputs a rank against 256, or
+    384 starting half-way through one), its part is held at super-blocks of ``gcd(S, k)`` inputs,
+    each within one of the file's and holding that one's ``d``/``dmin``: the same weights, one more
+    fp32 (two with mins) per ``gcd(S, k)`` inputs instead of per ``S``."""
     if kq is None:
         return None
-    if k % kq.super_block == 0:
-        return dataclasses.replace(kq, sub=cut(kq.sub, kq.group), submin=cut(kq.submin, kq.group),
-                                   sup=cut(kq.sup, kq.super_block), supmin=cut(kq.supmin, kq.super_block))
-    key = (k, kq.super_block, layer.tp_group.world_size)
-    if key not in _fallbacks_said:
-        _fallbacks_said.add(key)
-        log.warning("tensor_parallel_size=%d: a row-parallel layer's %d inputs per rank do not hold whole K-quant "
-                    "super-blocks of %d; such layers keep fp32 group scales (the plain low-bit pack: the same "
-                    "weights, more bytes) instead of the file's own scales", layer.tp_group.world_size, k,
-                    kq.super_block)
-    return None
+    sub, submin = cut(kq.sub, kq.group), cut(kq.submin, kq.group)
+    s = math.gcd(kq.super_block, k)  # a multiple of the group, which divides both
+    if s == kq.super_block:
+        return dataclasses.replace(kq, sub=sub, submin=submin, sup=cut(kq.sup, s), supmin=cut(kq.supmin, s))
+    first = layer.tp_group.rank * k  # the rank's first input
+    which = (first + torch.arange(k // s) * s) // kq.super_block  # the file's super-block of each piece
+    pick = lambda t: None if t is None else t[:, which].contiguous()  # noqa: E731
+    return dataclasses.replace(kq, super_block=s, sub=sub, submin=submin, sup=pick(kq.sup), supmin=pick(kq.supmin))

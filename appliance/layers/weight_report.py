@@ -7,9 +7,7 @@ A group is (role, stored format, method): the role is the projection kind (``qkv
 ``other`` for norms and the rest), the stored format what the weight loading loop recorded for the
 layer (``appliance.models.loader.load_weights``: a GGUF tensor type such as ``Q4_K``, ``F32`` /
 ``BF16`` / ``F16`` for float checkpoints, ``AWQ-int4`` / ``GPTQ-int4``, ``w8a8 g32``-style for other
-quantized records; a fused layer whose shards differ lists each, ``Q4_K+Q6_K``); a K-quant layer held
-with fp32 group scales rather than its own on a low-bit method says so (``w4a8_native/fp32-scales``:
-a tensor-parallel rank's cut of a super-block). Resident bytes are
+quantized records; a fused layer whose shards differ lists each, ``Q4_K+Q6_K``). Resident bytes are
 the tensors the forward pass holds after packing (the method's packed tensors, a bias, a canonical
 form still read by a tied embedding, parameters of other modules), each storage counted once: a
 tied lm_head and its embedding share one table, counted in the group that comes first.
@@ -86,23 +84,10 @@ def _method(name: str, mod: nn.Module) -> str:
     from appliance.layers.linear import LinearBase
 
     if isinstance(mod, LinearBase):
-        return mod.backend + _scales_note(mod)
+        return mod.backend
     if isinstance(mod, nn.Embedding) or hasattr(mod, "num_embeddings"):
         return "lookup(lm_head)" if getattr(mod, "_rows_from", None) is not None else "lookup"
     return "-"
-
-
-def _scales_note(mod: nn.Module) -> str:
-    """``/fp32-scales`` for a layer stored as GGUF K-quants, on a method that holds K-quant scales
-    (``takes_kquant``), that holds fp32 group scales instead: a tensor-parallel rank whose share of
-    the inputs cuts a super-block (``appliance.layers.parallel``); otherwise nothing."""
-    packed, method = getattr(mod, "packed", None), getattr(mod, "method", None)
-    formats = mod.__dict__.get("stored_formats")
-    if not formats or not isinstance(packed, dict) or "kf" in packed or not hasattr(method, "takes_kquant"):
-        return ""
-    from appliance.models import gguf_quants
-
-    return "/fp32-scales" if all(getattr(gguf_quants.kept(f), "kshift", None) is not None for f in formats) else ""
 
 
 def weight_groups(model: nn.Module) -> list[WeightGroup]:

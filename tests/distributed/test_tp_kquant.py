@@ -1,18 +1,16 @@
 """GGUF K-quant layers sharded over two ranks (gloo on loopback) keep the file's own scales
 (``lowbit.pack_kquant``): the weight loader cuts each rank's part of the ``KQuantScales`` tables with
-its rows (column-parallel) or with its inputs (row-parallel, whole super-blocks of 256). A row-parallel
-rank whose inputs would cut a super-block holds the plain fp32 group form instead, says so in the log
-and in the weight report's method (``/fp32-scales``), and computes the same thing.
+its rows (column-parallel) or with its inputs (row-parallel). A row-parallel rank whose inputs cut a
+super-block of 256 (128 inputs a rank; or 384, rank 1 starting half-way through one) holds finer
+super-blocks (``gcd(256, k)``), each with its file super-block's ``d``/``dmin``.
 
-What is checked: each rank's packed layer is a K-quant pack (``"kf"``) whose weights, read back, are
-exactly the unsharded layer's rows / columns (both read back from the same kind of pack: bit for
-bit); column-parallel outputs are the unsharded layer's rows (the same rows, the same per-token
-activation codes: within 1e-6 of the output scale); row-parallel outputs are the sum of each rank's
-fp64 reference of the kernel's math (``kquant_reference``, 2e-5 of the output scale, as for one
-layer) and within the A8 rounding of the unsharded layer (2% of the output scale)."""
+What is checked: each rank's packed layer is a K-quant pack (``"kf"``, at the expected super-block)
+whose weights, read back, are exactly the unsharded layer's rows / columns (both read back from a
+K-quant pack: bit for bit); column-parallel outputs are the unsharded layer's rows (the same rows,
+the same per-token activation codes: within 1e-6 of the output scale); row-parallel outputs are the
+sum of each rank's fp64 reference of the kernel's math (``_kquant_reference``, 2e-5 of the output
+scale, as for one layer) and within the A8 rounding of the unsharded layer (2% of the output scale)."""
 from __future__ import annotations
-
-import logging
 
 import numpy as np
 import pytest
@@ -24,7 +22,6 @@ from appliance.layers.linear import Linear
 from appliance.layers.methods.qmath import group_sums, quant_act_asym
 from appliance.layers.quant import QuantLinear
 from appliance.layers.weight_loading import QuantizedWeight
-from appliance.layers.weight_report import note_stored_format, weight_groups
 from appliance.models.gguf_quants import KEPT, canonical
 from appliance.ops import native
 
@@ -113,15 +110,18 @@ def _row_reference(layers, parts) -> torch.Tensor:
                for lay, p in zip(layers, parts))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q3_K"])
-def test_row_parallel_ranks_hold_whole_super_blocks(ranks, qtype):
-    n, k = 48, 1024  # 512 inputs a rank: two super-blocks of 256 each
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q3_K", "Q2_K"])
+@pytest.mark.parametrize("k,held_super", [(1024, 256), (256, 128), (768, 128)],
+                         ids=["whole_super_blocks", "half_a_super_block", "rank1_starts_mid_block"])
+def test_row_parallel_ranks_hold_their_inputs_k_quant_scales(ranks, qtype, k, held_super):
+    n = 48
     rec = _record(qtype, n, k, 3)
     full = _loaded(_layer(qtype, k, n, None), rec)
+    assert full.packed["super"] == 256
     layers = ranks.build(lambda r: _layer(qtype, k, n, "row"))
     for lay in layers:
         _loaded(lay, rec)
-        assert lay.backend == _LAYER[qtype][2] and "kf" in lay.packed
+        assert lay.backend == _LAYER[qtype][2] and "kf" in lay.packed and lay.packed["super"] == held_super
     w = _weights(full)
     for r, lay in enumerate(layers):
         assert torch.equal(_weights(lay), w[:, r * k // 2:(r + 1) * k // 2])
@@ -132,36 +132,3 @@ def test_row_parallel_ranks_hold_whole_super_blocks(ranks, qtype):
     for got in ranks.run(lambda r: layers[r](parts[r])):
         assert (got.double() - ref).abs().max().item() <= 2e-5 * ref.abs().max().item()
         torch.testing.assert_close(got, unsharded, atol=0.02 * unsharded.abs().max().item(), rtol=0)
-
-
-def test_row_parallel_cut_inside_a_super_block_falls_back_to_group_scales(ranks, caplog):
-    """256 inputs over two ranks: 128 a rank, half a super-block. Each rank holds fp32 group scales
-    (the plain pack, no ``"kf"``), the log says why, and the weights and outputs are still the file's."""
-    n, k = 32, 256
-    rec = _record("Q4_K", n, k, 5)
-    full = _loaded(_layer("Q4_K", k, n, None), rec)
-    assert "kf" in full.packed
-    layers = ranks.build(lambda r: _layer("Q4_K", k, n, "row"))
-    parallel._fallbacks_said.clear()
-    with caplog.at_level(logging.WARNING, logger="appliance"):
-        for lay in layers:
-            lay.weight_loader(lay.qweight, rec, None)
-            assert lay.kquant_tables() is None and lay.preferred_backend() is None
-            lay.set_backend("w4a8_native")
-            assert "kf" not in lay.packed
-    said = [r.getMessage() for r in caplog.records if "super-blocks" in r.getMessage()]
-    assert len(said) == 1 and "128 inputs per rank" in said[0] and "super-blocks of 256" in said[0], said
-    note_stored_format(full, "Q4_K")
-    assert [g.method for g in weight_groups(full)] == ["w4a8_native"]
-    for lay in layers:  # what the banner and doctor say of such a layer
-        note_stored_format(lay, "Q4_K")
-        assert [g.method for g in weight_groups(lay)] == ["w4a8_native/fp32-scales"]
-    w = _weights(full)
-    for r, lay in enumerate(layers):  # the fp32 group form rounds d sc u - dmin mn through a zero point
-        part = w[:, r * k // 2:(r + 1) * k // 2]
-        assert (_weights(lay) - part).abs().max().item() <= 2.0 ** -22 * part.abs().max().item()
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(6))
-    unsharded = full(x)
-    for got in ranks.run(lambda r: layers[r](x[:, r * k // 2:(r + 1) * k // 2])):
-        torch.testing.assert_close(got, unsharded, atol=0.02 * unsharded.abs().max().item(), rtol=0)
-

@@ -7,8 +7,8 @@ checked: TP=2 is as close to the float model (the same weights dequantized, floa
 TP=1 is, within 1.5x, and within 5% of TP=1 (a wrong slice or a missed all-reduce is 100%).
 
 A GGUF in llama.cpp's Q4_K_M mix keeps its K-quant scales on every rank: each rank reports
-(``TPExecutor.rank_stats``) the layers it holds as K-quant packs, and the row-parallel o_proj,
-whose 128 inputs a rank would cut a super-block of 256, is held with fp32 group scales (logged)."""
+(``TPExecutor.rank_stats``) the layers it holds as K-quant packs, every quantized one, the
+row-parallel o_proj whose 128 inputs a rank cut a super-block of 256 included (held at 128)."""
 from __future__ import annotations
 
 import pytest
@@ -17,10 +17,8 @@ from gguf_files import q4_k_m_types, tokenizer_vocab, write_llama_gguf
 from helpers import engine_logits
 
 from appliance import LLM
-from appliance.layers import parallel
 from appliance.layers.quant import QuantLinear
 from appliance.layers.vocab import QuantEmbedding
-from appliance.layers.weight_report import weight_groups
 
 KW = dict(dtype="float32", num_kv_blocks=32, max_model_len=128)
 IDS = list(range(3, 40))
@@ -82,11 +80,11 @@ def _kquant_layers(model) -> list[str]:
                   if isinstance(getattr(m, "packed", None), dict) and "kf" in m.packed)
 
 
-def test_gguf_q4_k_m_keeps_its_k_quant_scales_on_every_rank(tmp_path, caplog):
+def test_gguf_q4_k_m_keeps_its_k_quant_scales_on_every_rank(tmp_path):
     """Q4_K projections, Q6_K attn_v / ffn_down of layer 1 and the tied Q6_K embedding (hidden 256,
-    ffn 512): column-parallel q/k/v and gate/up, the row-parallel down_proj (256 inputs a rank) and the
-    vocabulary-parallel lm_head keep the file's scales on both ranks; o_proj (128 inputs a rank) falls
-    back to the group form, as the log says. Logits as TP=1's within the quantized TP tolerance."""
+    ffn 512): column-parallel q/k/v and gate/up, the row-parallel o_proj (128 inputs a rank) and
+    down_proj (256) and the vocabulary-parallel lm_head keep the file's scales on both ranks. Logits
+    as TP=1's within the quantized TP tolerance."""
     layers = 2
     path = write_llama_gguf(tmp_path / "q4km.gguf", tokenizer_vocab(), q4_k_m_types(layers), layers=layers,
                             hidden=256, ffn=512, n_head=4, n_kv=2)
@@ -97,25 +95,21 @@ def test_gguf_q4_k_m_keeps_its_k_quant_scales_on_every_rank(tmp_path, caplog):
     want = engine_logits(one, IDS)
     tp1_kq = _kquant_layers(one.engine.runner.model)
     del one
-    blocks = [f"model.layers.{i}.{m}" for i in range(layers) for m in ("self_attn.qkv_proj", "mlp.gate_up_proj",
-                                                                       "mlp.down_proj")]
-    o_projs = [f"model.layers.{i}.self_attn.o_proj" for i in range(layers)]
-    assert tp1_kq == sorted(blocks + o_projs + ["lm_head"])
-    parallel._fallbacks_said.clear()
-    with caplog.at_level("WARNING", logger="appliance"):
-        two = LLM(str(path), quantization="gguf", tensor_parallel_size=2, **KW)
+    every = sorted([f"model.layers.{i}.{m}" for i in range(layers)
+                    for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
+                   + ["lm_head"])
+    assert tp1_kq == every
+    two = LLM(str(path), quantization="gguf", tensor_parallel_size=2, **KW)
     try:
         got = engine_logits(two, IDS)
         stats = two.engine.runner.rank_stats()
-        # the banner's / doctor's groups (rank 0's model): o_proj's fallback is named, no other layer's
-        methods = {(g.role, g.method) for g in weight_groups(two.engine.runner.model) if g.role in ("qkv", "o", "down")}
+        supers = {n: m.packed["super"] for n, m in two.engine.runner.model.named_modules()
+                  if n.endswith("_proj") and isinstance(m, QuantLinear)}
     finally:
         two.engine.runner.close()
     assert len(stats) == 2
     for s in stats:  # rank 0 (this process) and rank 1 (a spawned worker), each from its own model
-        assert s["kquant_layers"] == sorted(blocks + ["lm_head"]), s
-    said = [r.getMessage() for r in caplog.records if "super-blocks" in r.getMessage()]
-    assert said and "128 inputs per rank" in said[0], said
-    assert methods == {("qkv", "w4a8_native"), ("qkv", "w6a8_native"), ("o", "w4a8_native/fp32-scales"),
-                       ("down", "w4a8_native"), ("down", "w6a8_native")}, methods
+        assert s["kquant_layers"] == every, s
+    assert {n: v for n, v in supers.items() if v != 256} == {f"model.layers.{i}.self_attn.o_proj": 128
+                                                              for i in range(layers)}
     _assert_close_as_tp1("GGUF Q4_K_M", got, want, flt)
