@@ -205,8 +205,12 @@ def worker_main(rank: int, conn, world_size: int, port: int, config, info, dtype
 
 
 def rank_stats(runner) -> dict:
-    """What a rank reports about its own steps (``TPExecutor.rank_stats``): which forward path ran."""
-    return {"fused_calls": getattr(runner.model, "fused_calls", 0)}
+    """What a rank reports about its own steps (``TPExecutor.rank_stats``): which forward path ran,
+    and which of its layers hold a GGUF K-quant's own scales (``lowbit.pack_kquant``)."""
+    model = runner.model
+    kq = sorted(name for name, m in model.named_modules()
+                if isinstance(getattr(m, "packed", None), dict) and "kf" in m.packed)
+    return {"fused_calls": getattr(model, "fused_calls", 0), "kquant_layers": kq}
 
 
 # ------------------------------------------------------------------ rank 0

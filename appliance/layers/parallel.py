@@ -15,11 +15,17 @@ A layer is built with its full (checkpoint) sizes and a ``tp`` mode; in a tensor
 The rank's part is cut in the per-parameter weight loaders (``rank_part``), so every weight source
 (safetensors, compressed-tensors, AWQ/GPTQ, GGUF) shards alike, float or quantized. Quantized
 row-parallel layers split on group boundaries (a group size that does not divide the rank's part
-of the input is refused at load); per-channel scales are whole on every rank. Note that A8 methods
+of the input is refused at load); per-channel scales are whole on every rank. A GGUF K-quant's own
+scales (``KQuantScales``) are split alike: by rows, or, row-parallel, by groups and super-blocks
+(a rank whose inputs cut a super-block of 256 holds finer ones, each with its file super-block's
+``d``/``dmin``: ``_row_kquant``). Note that A8 methods
 quantize activations per token over the rank's slice of the input: a row-parallel W8A8 layer under
 TP is the sum of per-rank A8 products, not bit-identical to the unsharded one (as in vLLM).
 """
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import torch
 
@@ -105,9 +111,12 @@ def rank_part(layer, param: torch.Tensor, loaded, shard_id: str | None):
     if mode in ("column", "vocab"):
         if isinstance(loaded, QuantizedWeight):
             zp = loaded.zero_point
-            return QuantizedWeight(_rows(loaded.qweight, layer, shard_id), _rows(loaded.scale, layer, shard_id),
-                                   None if zp is None else _rows(zp, layer, shard_id), loaded.group_size,
-                                   loaded.scheme)
+            rows = lambda t: None if t is None else _rows(t, layer, shard_id)  # noqa: E731
+            kq = loaded.kquant
+            if kq is not None:  # a K-quant's row tables follow the rows
+                kq = dataclasses.replace(kq, **{f: rows(getattr(kq, f)) for f in _KQ_TABLES})
+            return QuantizedWeight(rows(loaded.qweight), rows(loaded.scale), rows(zp), loaded.group_size,
+                                   loaded.scheme, kq)
         return _rows(loaded, layer, shard_id)
     # row, row_partial: split the input dimension; a bias (1-D) is added once, by rank 0
     if not isinstance(loaded, QuantizedWeight):
@@ -123,6 +132,34 @@ def rank_part(layer, param: torch.Tensor, loaded, shard_id: str | None):
         raise WeightLoadError(f"has groups of {loaded.group_size} inputs, which do not split at "
                               f"tensor_parallel_size={g.world_size} (each rank's {k} inputs must hold whole groups)")
     zp = loaded.zero_point
-    ng = k // loaded.group_size
-    cut = lambda t: t.narrow(1, g.rank * ng, ng)  # noqa: E731
-    return QuantizedWeight(q, cut(loaded.scale), None if zp is None else cut(zp), loaded.group_size, loaded.scheme)
+
+    def cut(t, group):  # this rank's columns of a per-group table
+        if t is None:
+            return None
+        n = k // group
+        return t.narrow(1, g.rank * n, n)
+
+    return QuantizedWeight(q, cut(loaded.scale, loaded.group_size), cut(zp, loaded.group_size), loaded.group_size,
+                           loaded.scheme, _row_kquant(layer, loaded.kquant, k, cut))
+
+
+# KQuantScales' per-row tables (``appliance.models.gguf_quants``)
+_KQ_TABLES = ("sub", "submin", "sup", "supmin")
+
+
+def _row_kquant(layer, kq, k: int, cut):
+    """A row-parallel rank's part of a K-quant's scales: its groups' sub-scales and its super-blocks'
+    scales. Where its ``k`` inputs do not hold whole super-blocks (128 inputs a rank against 256, or
+    384 starting half-way through one), its part is held at super-blocks of ``gcd(S, k)`` inputs,
+    each within one of the file's and holding that one's ``d``/``dmin``: the same weights, one more
+    fp32 (two with mins) per ``gcd(S, k)`` inputs instead of per ``S``."""
+    if kq is None:
+        return None
+    sub, submin = cut(kq.sub, kq.group), cut(kq.submin, kq.group)
+    s = math.gcd(kq.super_block, k)  # a multiple of the group, which divides both
+    if s == kq.super_block:
+        return dataclasses.replace(kq, sub=sub, submin=submin, sup=cut(kq.sup, s), supmin=cut(kq.supmin, s))
+    first = layer.tp_group.rank * k  # the rank's first input
+    which = (first + torch.arange(k // s) * s) // kq.super_block  # the file's super-block of each piece
+    pick = lambda t: None if t is None else t[:, which].contiguous()  # noqa: E731
+    return dataclasses.replace(kq, super_block=s, sub=sub, submin=submin, sup=pick(kq.sup), supmin=pick(kq.supmin))

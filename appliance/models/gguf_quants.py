@@ -33,8 +33,16 @@ from the exact ``S u - M`` by at most ``2^-24 |zp * scale| = 2^-24 |M - c S|`` (
 8, 16 or 2), about an fp32 ulp of the group's largest weight, which is also how far gguf's own fp32
 sum may be from it. The centre ``c`` (q = u - c) keeps ``|zp|`` and the zero-point term small
 where the group straddles 0, as trained weights do. A group whose scale is 0 (``d == 0`` or
-``sc == 0``: every weight ``-M``) gets ``u = 0`` and the power-of-two scale ``2^floor(log2 |M|)``
-instead, which makes it exact (``M / scale`` and ``zp`` are then exact in fp32).
+``sc == 0``: every weight ``-M``) gets ``q = 0``, the power-of-two scale ``2^floor(log2 |M|)`` (1
+for ``M = 0``) and ``zp = M / scale``, which makes it exact (``M / scale`` is exact in fp32) and
+leaves nothing of it to meet quantized activations: all of it is the zero point's term (with
+``q = -c`` instead, an all-zero group of scale 1 put ``-c`` against them and its A8 rounding
+error into the output: random Q2_K layers were 2.2-2.5% off their exact product instead of
+0.55%).
+
+The K-quants (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K) also give their own scales (``KQuantScales``: int8 sub-scales
+``sc`` (Q3_K: ``sc - 32``) and mins ``mn`` per group, ``d``/``dmin`` per super-block, ``q + shift``
+the file's integer), which the low-bit methods hold instead of fp32 per group.
 
 W4 groups run on ``w4a8_dynquant``/``w4a16_int4pack``; W8 groups (16 or 32, with or without zero
 point) only on ``w8a8_native`` (``QuantLinear(..., w8_groups=True)``).
@@ -190,14 +198,15 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _affine(u: np.ndarray, scale: np.ndarray, low: np.ndarray, centre: int):
     """Groups of ``w = scale * u + low`` (u [B, G, g] unsigned; scale, low float64 [B, G], exact) ->
     (q = u - centre, fp32 scale, fp32 zero point ``-centre - low / scale``), see the module docstring;
-    a group with scale 0 (every weight ``low``) gets u = 0 and a power-of-two scale, exactly."""
+    a group with scale 0 (every weight ``low``) gets q = 0, a power-of-two scale and the zero point
+    ``-low / scale``, exactly."""
     zero = scale == 0
     if zero.any():
         _, e = np.frexp(low)  # |low| in [2^(e-1), 2^e): low / 2^(e-1) in [1, 2), exact
         scale = np.where(zero, np.where(low != 0, np.ldexp(1.0, e - 1), 1.0), scale)
-        u = np.where(zero[..., None], 0, u)
+        u = np.where(zero[..., None], centre, u)
     q = (u.astype(np.int16) - centre).astype(np.int8)
-    zp = -centre - low / scale
+    zp = np.where(zero, 0, -centre) - low / scale
     return q.reshape(q.shape[0], -1), scale.astype(np.float32), zp.astype(np.float32)
 
 
@@ -345,6 +354,11 @@ class Q2_K(BlockType):
     values, fp16 d, fp16 dmin. w = d sc u - dmin mn."""
 
     name, scheme, group, has_zero_point = "Q2_K", "w8a8", 16, True
+    kshift = 2  # q = u - 2
+
+    def kscales(self, blocks):
+        s = blocks[:, 0:16]
+        return (s & 15).astype(np.int8), (s >> 4).astype(np.int8), _f16(blocks, 80), _f16(blocks, 82)
 
     def decode(self, blocks):
         s = blocks[:, 0:16]
@@ -360,10 +374,18 @@ class Q3_K(BlockType):
     w = d (sc - 32) q with q = low 2 bits - 4 where the mask bit is clear: q in [-4, 3]."""
 
     name, scheme, group, has_zero_point = "Q3_K", "w8a8", 16, False
+    kshift = 0  # q = q3, which is what d (sc - 32) multiplies
+
+    @staticmethod
+    def _sc(blocks):  # the 16 signed sub-scales sc - 32, in [-32, 31]
+        s = blocks[:, 96:108]
+        sc = _low_high(s[:, 0:8]) | (_planes(s[:, 8:12], 2).reshape(-1, 16) << 4)
+        return sc.astype(np.int8) - 32
+
+    def kscales(self, blocks):
+        return self._sc(blocks), None, _f16(blocks, 108), None
 
     def decode(self, blocks):
         hmask = _planes(blocks[:, 0:32], 1).reshape(-1, 256)
         q = _two_bit(blocks[:, 32:96]).astype(np.int8) - 4 * (1 - hmask).astype(np.int8)
-        s = blocks[:, 96:108]
-        sc = _low_high(s[:, 0:8]) | (_planes(s[:, 8:12], 2).reshape(-1, 16) << 4)
-        return q, (_f16(blocks, 108)[:, None] * (sc.astype(np.float64) - 32)).astype(np.float32), None
+        return q, (_f16(blocks, 108)[:, None] * self._sc(blocks).astype(np.float64)).astype(np.float32), None

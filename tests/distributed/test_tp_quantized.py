@@ -4,12 +4,16 @@ float checkpoint quantized to W8A8 at load. Column-parallel layers hold exactly 
 row-parallel ones quantize activations per token over each rank's slice of the input (and, for W8A8
 quantized at load, take per-channel scales of their slice), so TP=2 is not TP=1 to 1e-4. What is
 checked: TP=2 is as close to the float model (the same weights dequantized, float activations) as
-TP=1 is, within 1.5x, and within 5% of TP=1 (a wrong slice or a missed all-reduce is 100%)."""
+TP=1 is, within 1.5x, and within 5% of TP=1 (a wrong slice or a missed all-reduce is 100%).
+
+A GGUF in llama.cpp's Q4_K_M mix keeps its K-quant scales on every rank: each rank reports
+(``TPExecutor.rank_stats``) the layers it holds as K-quant packs, every quantized one, the
+row-parallel o_proj whose 128 inputs a rank cut a super-block of 256 included (held at 128)."""
 from __future__ import annotations
 
 import pytest
 import torch
-from gguf_files import tokenizer_vocab, write_llama_gguf
+from gguf_files import q4_k_m_types, tokenizer_vocab, write_llama_gguf
 from helpers import engine_logits
 
 from appliance import LLM
@@ -69,3 +73,43 @@ def test_w8a8_quantized_at_load(llama_dir):
     qkv = two.engine.runner.model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantLinear) and qkv.tp_mode == "column" and qkv.out_features == (64 + 2 * 32) // 2
     _assert_close_as_tp1("W8A8", got, want, flt)
+
+
+def _kquant_layers(model) -> list[str]:
+    return sorted(n for n, m in model.named_modules()
+                  if isinstance(getattr(m, "packed", None), dict) and "kf" in m.packed)
+
+
+def test_gguf_q4_k_m_keeps_its_k_quant_scales_on_every_rank(tmp_path):
+    """Q4_K projections, Q6_K attn_v / ffn_down of layer 1 and the tied Q6_K embedding (hidden 256,
+    ffn 512): column-parallel q/k/v and gate/up, the row-parallel o_proj (128 inputs a rank) and
+    down_proj (256) and the vocabulary-parallel lm_head keep the file's scales on both ranks. Logits
+    as TP=1's within the quantized TP tolerance."""
+    layers = 2
+    path = write_llama_gguf(tmp_path / "q4km.gguf", tokenizer_vocab(), q4_k_m_types(layers), layers=layers,
+                            hidden=256, ffn=512, n_head=4, n_kv=2)
+    ref = LLM(str(path), **KW)
+    flt = engine_logits(ref, IDS)
+    del ref
+    one = LLM(str(path), quantization="gguf", **KW)
+    want = engine_logits(one, IDS)
+    tp1_kq = _kquant_layers(one.engine.runner.model)
+    del one
+    every = sorted([f"model.layers.{i}.{m}" for i in range(layers)
+                    for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
+                   + ["lm_head"])
+    assert tp1_kq == every
+    two = LLM(str(path), quantization="gguf", tensor_parallel_size=2, **KW)
+    try:
+        got = engine_logits(two, IDS)
+        stats = two.engine.runner.rank_stats()
+        supers = {n: m.packed["super"] for n, m in two.engine.runner.model.named_modules()
+                  if n.endswith("_proj") and isinstance(m, QuantLinear)}
+    finally:
+        two.engine.runner.close()
+    assert len(stats) == 2
+    for s in stats:  # rank 0 (this process) and rank 1 (a spawned worker), each from its own model
+        assert s["kquant_layers"] == every, s
+    assert {n: v for n, v in supers.items() if v != 256} == {f"model.layers.{i}.self_attn.o_proj": 128
+                                                              for i in range(layers)}
+    _assert_close_as_tp1("GGUF Q4_K_M", got, want, flt)

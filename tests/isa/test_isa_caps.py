@@ -31,6 +31,8 @@ KERNEL_AND_LINEAR = ["tests/ops", "tests/quant/test_kernels.py", "tests/quant/te
                      "tests/model/test_gemma_fused.py",
                      "tests/model/test_kv_cache_dtype.py", "tests/quant/test_lowbit_native.py",
                      "tests/quant/test_kquant_scales.py",
+                     # K-quant packs of tensor-parallel ranks (finer super-blocks where a rank cuts one)
+                     "tests/distributed/test_tp_kquant.py",
                      # the MoE models through ops.moe_experts (the kernels' moe_f32 and every expert kind)
                      "tests/model/test_moe.py::test_greedy_and_logits_match_transformers",
                      "tests/model/test_moe.py::test_quantized_moe_model_in_the_engine"]

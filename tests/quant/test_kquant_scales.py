@@ -3,8 +3,9 @@ native ``gemm_wlow_a8`` with ``WLowArgs.ksuper``): per super-block of 256 the fp
 as fp32, per group the int8 sub-scale (and sub-min), per row an fp32 sum and an int8 shift.
 
 - Held weights: read back (``dequantize_rows``) they equal gguf's own ``dequantize`` of the blocks
-  (computed in fp64 here): exactly for Q6_K (``d sc (u - 32)`` is exact in fp32), within 2^-23 of the
-  group's largest weight for the types with mins (``d sc u - dmin mn`` rounded once to fp32).
+  (computed in fp64 here): exactly for Q6_K and Q3_K (``d sc (u - 32)``, ``d (sc - 32) q`` are exact
+  in fp32), within 2^-23 of the group's largest weight for the types with mins (Q4_K, Q5_K, Q2_K:
+  ``d sc u - dmin mn`` rounded once to fp32).
 - Outputs: against the fp64 reference of the math the kernel performs on the same weights
   (``method.reference`` of the canonical form: activations quantized per token, the zero point's
   term against the float activations), relative 2e-5 of the output scale: fp32 sums over groups, and
@@ -17,7 +18,8 @@ as fp32, per group the int8 sub-scale (and sub-min), per row an fp32 sum and an 
   layer: each row as its own type.
 - Bytes held per weight (a row of K inputs; padding rows aside): Q4_K 0.5 + 2 / 32 + 8 / 256
   = 0.59375 (+ 5 / K per row), against the file's 0.5625 and the fp32-group form's 0.8125; Q6_K
-  0.75 + 1 / 16 + 4 / 256 = 0.828125 (+ 4 / K), against 0.8203 and 1.125.
+  0.75 + 1 / 16 + 4 / 256 = 0.828125 (+ 4 / K), against 0.8203 and 1.125; Q3_K as Q6_K (0.828125,
+  file 0.4297); Q2_K 0.75 + 2 / 16 + 8 / 256 = 0.90625 (+ 5 / K), against 0.3281 and 1.375.
 """
 from __future__ import annotations
 
@@ -37,7 +39,9 @@ pytestmark = pytest.mark.skipif(not native.is_available(), reason="the native ke
 
 W4, W6 = methods.get("w4a8_native"), methods.get("w6a8_native")
 # where each type's fp16 scales sit in its block, and a realistic size for them
-_SCALES = {"Q4_K": ((0, 3e-5), (2, 3e-5)), "Q5_K": ((0, 3e-5), (2, 3e-5)), "Q6_K": ((208, 1e-5),)}
+_SCALES = {"Q4_K": ((0, 3e-5), (2, 3e-5)), "Q5_K": ((0, 3e-5), (2, 3e-5)), "Q6_K": ((208, 1e-5),),
+           "Q2_K": ((80, 1e-3), (82, 1e-3)), "Q3_K": ((108, 3e-4),)}
+_SYMMETRIC = ("Q6_K", "Q3_K")  # no mins: d sc q exact in fp32
 
 
 def _blocks(qtype: str, n: int, k: int, rng) -> np.ndarray:
@@ -62,9 +66,9 @@ def _reference_weights(qtype: str, raw: np.ndarray, n: int, k: int) -> torch.Ten
 def kquant_reference(x: torch.Tensor, qweight: torch.Tensor, t: dict) -> torch.Tensor:
     """fp64 reference of the kernel's math on the file's weights: the activations quantized per token
     (``quant_act_asym``) meet ``d sc q``; the offset ``d sc shift - dmin mn`` meets the float
-    activations' group sums. Where a group's scale is not 0 this is ``method.reference`` of the
-    canonical form; where it is 0 (sc = 0: every weight ``-dmin mn``), the canonical form substitutes
-    a power-of-two scale and integers -8, whose part would meet the quantized activations instead."""
+    activations' group sums. This is ``method.reference`` of the canonical form, groups of scale 0
+    included (sc = 0: every weight ``-dmin mn``; the canonical form holds q = 0 there and all of the
+    weight in its zero point, as the K-quant form holds all of it in ``dmin mn``)."""
     g, sb = t["group"], t["super"]
     scale = t["sup"].double().repeat_interleave(sb // g, dim=1) * t["sub"].double()
     off = t["shift"].double()[:, None] * scale
@@ -81,7 +85,8 @@ def _check_outputs(m, p, qweight, t, k, xs=None):
         assert (y - ref).abs().max().item() <= 2e-5 * ref.abs().max().item(), x.shape
 
 
-@pytest.mark.parametrize("qtype,m", [("Q4_K", W4), ("Q6_K", W6), ("Q5_K", W6), ("Q4_K", W6)])
+@pytest.mark.parametrize("qtype,m", [("Q4_K", W4), ("Q6_K", W6), ("Q5_K", W6), ("Q4_K", W6), ("Q3_K", W6),
+                                     ("Q2_K", W6)])
 @pytest.mark.parametrize("n,k", [(40, 512), (17, 768)])
 def test_held_weights_are_ggufs_dequantization_and_outputs_the_reference(qtype, m, n, k):
     rng = np.random.default_rng(2)
@@ -93,13 +98,14 @@ def test_held_weights_are_ggufs_dequantization_and_outputs_the_reference(qtype, 
     want = _reference_weights(qtype, raw, n, k)
     got = m.dequantize_rows(p, torch.arange(n)).double()
     groupmax = want.abs().reshape(n, -1, 16).amax(-1, keepdim=True)
-    tol = 0.0 if qtype == "Q6_K" else 2.0 ** -23
+    tol = 0.0 if qtype in _SYMMETRIC else 2.0 ** -23
     assert ((got - want).reshape(n, -1, 16).abs() <= tol * groupmax + 1e-30).all()
     _check_outputs(m, p, cw.qweight, t, k)
-    if not (cw.kquant.sub == 0).any():  # no group with scale 0: the method's own reference of the canonical form
-        x = torch.randn(3, k)
-        ref = m.reference(x, cw.qweight, cw.scale, zero_point=cw.zero_point)
-        assert (m.apply(p, x).double() - ref).abs().max().item() <= 2e-5 * ref.abs().max().item()
+    # the method's own reference of the canonical form: the same math (random blocks have groups of scale 0)
+    assert qtype in _SYMMETRIC or (cw.kquant.sub == 0).any()
+    x = torch.randn(3, k)
+    ref = m.reference(x, cw.qweight, cw.scale, zero_point=cw.zero_point)
+    assert (m.apply(p, x).double() - ref).abs().max().item() <= 2e-5 * ref.abs().max().item()
     per_weight = packed_bytes(p) / (((n + 15) // 16 * 16) * k)
     mins = cw.kquant.submin is not None
     want_bpw = (m.bits / 8 + (2 if mins else 1) / cw.group + (8 if mins else 4) / 256
@@ -108,11 +114,13 @@ def test_held_weights_are_ggufs_dequantization_and_outputs_the_reference(qtype, 
     per_row = (4 + (1 if cw.kquant.shift else 0)) / k
     if (qtype, m.bits) == ("Q4_K", 4):  # the file: 0.5625; the fp32-group form: 0.8125
         assert per_weight - per_row == 0.59375
-    if qtype == "Q6_K":  # the file: 0.8203; the fp32-group form: 1.125
+    if qtype in ("Q6_K", "Q3_K"):  # the file: 0.8203 / 0.4297; the fp32-group form: 1.125
         assert per_weight - per_row == 0.828125
+    if qtype == "Q2_K":  # the file: 0.3281; the fp32-group form with offsets: 1.375
+        assert per_weight - per_row == 0.90625
 
 
-@pytest.mark.parametrize("qtype,m", [("Q4_K", W4), ("Q6_K", W6), ("Q5_K", W6)])
+@pytest.mark.parametrize("qtype,m", [("Q4_K", W4), ("Q6_K", W6), ("Q5_K", W6), ("Q3_K", W6), ("Q2_K", W6)])
 @pytest.mark.parametrize("k,rows", [(768, 37), (4096, 70)])
 def test_many_rows_equal_each_row_alone(qtype, m, k, rows):
     """Prefill-sized inputs (a tile's weights unpacked once and met by several tokens at a time, in
@@ -133,7 +141,7 @@ def test_many_rows_equal_each_row_alone(qtype, m, k, rows):
     assert (y.double() - ref).abs().max().item() <= 2e-5 * max(1, k / 768) * ref.abs().max().item()
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q3_K", "Q2_K"])
 @pytest.mark.parametrize("scale_at", ["fp16_max", "fp16_min"])
 def test_worst_case_blocks(qtype, scale_at):
     """Every weight at an end of its range (rows alternate which), the largest sub-scales and mins, d
@@ -150,12 +158,23 @@ def test_worst_case_blocks(qtype, scale_at):
         raw[..., 2:4] = d
         raw[..., 4:16] = 0xFF  # every sc and mn 63
         raw[..., 16:144] = np.where(odd, 0xFF, 0x00)[..., None]  # u all 15 or all 0
-    else:
+    elif qtype == "Q6_K":
         raw[..., 208:210] = d
         raw[..., 192:208] = np.where(odd, 127, -128).astype(np.int8).view(np.uint8)[..., None]
         raw[..., 0:192] = np.where(odd, 0xFF, 0x00)[..., None]  # u all 63 or all 0
+    elif qtype == "Q3_K":
+        raw[..., 108:110] = d
+        # odd rows: every mask bit and 2-bit value set (q = 3), sc 63 (sc - 32 = 31); even: q = -4, sc - 32 = -32
+        raw[..., 0:108] = np.where(odd, 0xFF, 0x00)[..., None]
+    else:  # Q2_K
+        raw[..., 80:82] = d
+        raw[..., 82:84] = d
+        raw[..., 0:16] = 0xFF  # every sc and mn 15
+        raw[..., 16:80] = np.where(odd, 0xFF, 0x00)[..., None]  # u all 3 or all 0
     raw = raw.reshape(n, -1)
     cw = canonical(qtype, raw, n, k)
+    if qtype == "Q3_K":
+        assert set(cw.kquant.sub.unique().tolist()) == {-32, 31} and set(cw.qweight.unique().tolist()) == {-4, 3}
     m = W4 if qtype == "Q4_K" else W6
     t = _tables(cw, n, k)
     p = m.pack_kquant(cw.qweight, t)
@@ -212,3 +231,36 @@ def test_layer_without_k_quant_scales_everywhere_keeps_the_group_form():
     load_quant_linear(lin, lin.qweight, QuantizedWeight(cw.qweight, cw.scale, None, 16, "w8a8", cw.kquant), "a")
     load_quant_linear(lin, lin.qweight, QuantizedWeight(cw.qweight, cw.scale, None, 16, "w8a8"), "b")
     assert lin.kquant_tables() is None and lin.preferred_backend() is None
+
+
+@pytest.mark.parametrize("qtype", ["Q3_K", "Q2_K"])
+def test_q3_k_and_q2_k_layers_keep_their_scales(qtype):
+    """A Q3_K / Q2_K layer (W8 groups of 16, values in [-4, 3] / [-2, 1]) is given to ``w6a8_native``
+    without measuring and held with its own scales: each weight gguf's dequantization, the output the
+    kernel's fp64 reference, and against float activations (the fp64 product of gguf's weights) within
+    the per-token A8 rounding."""
+    rng = np.random.default_rng(6)
+    n, k = 48, 512
+    raw = _blocks(qtype, n, k, rng)
+    cw = canonical(qtype, raw, n, k)
+    lin = QuantLinear(k, n, "w8a8", 16, w8_groups=True)
+    from appliance.layers.weight_loading import QuantizedWeight, load_quant_linear
+
+    rec = QuantizedWeight(cw.qweight, cw.scale, cw.zero_point, 16, "w8a8", cw.kquant)
+    load_quant_linear(lin, lin.qweight, rec, None)
+    assert lin.preferred_backend() == "w6a8_native"
+    t = lin.kquant_tables()
+    assert t["shift"].unique().tolist() == [KEPT[qtype].kshift] and (t["submin"] is None) == (qtype == "Q3_K")
+    lin.set_backend("w6a8_native")
+    assert "kf" in lin.packed and lin.packed["flags"] == (0 if qtype == "Q3_K" else 3)
+    want = _reference_weights(qtype, raw, n, k)
+    got = W6.dequantize_rows(lin.packed, torch.arange(n)).double()
+    tol = 0.0 if qtype in _SYMMETRIC else 2.0 ** -23
+    assert ((got - want).reshape(n, -1, 16).abs() <= tol * want.abs().reshape(n, -1, 16).amax(-1, keepdim=True)
+            + 1e-30).all()
+    x = torch.randn(5, k)
+    y = lin(x).double()
+    ref = kquant_reference(x, cw.qweight, t)
+    assert (y - ref).abs().max().item() <= 2e-5 * ref.abs().max().item()
+    exact = x.double() @ want.t()  # float activations: A8's per-token rounding, ~1% of the output scale
+    assert (y - exact).abs().max().item() <= 0.02 * exact.abs().max().item()

@@ -585,7 +585,10 @@ void check_wlow_kquant(const std::vector<const KernelTable*>& variants) {
   struct Case { int M, N, K, G, S, bits; bool mins; int extreme; };
   const Case cases[] = {{1, 37, 256, 32, 256, 4, true, 0},  {3, 40, 512, 32, 256, 4, true, 0},
                         {9, 33, 768, 16, 256, 6, false, 0}, {2, 20, 512, 32, 256, 4, true, 1},
-                        {3, 16, 512, 16, 256, 6, false, 1}, {1, 64, 4864, 32, 256, 4, true, 0}};
+                        {3, 16, 512, 16, 256, 6, false, 1}, {1, 64, 4864, 32, 256, 4, true, 0},
+                        // super-blocks finer than 256: a tensor-parallel rank whose inputs cut one
+                        // (appliance.layers.parallel._row_kquant)
+                        {3, 40, 384, 32, 128, 4, true, 0},  {5, 33, 384, 16, 64, 6, true, 0}};
   Rng rng(17);
   for (const Case& c : cases) {
     const int tiles = (c.N + 15) / 16, groups = c.K / c.G, supers = c.K / c.S, ctr = c.bits == 6 ? 32 : 8;
