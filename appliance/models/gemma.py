@@ -36,7 +36,8 @@ from appliance.layers.norm import OffsetRMSNorm
 from appliance.layers.rotary import build_inv_freq, check_rope, cos_sin_cache
 from appliance.layers.vocab import VocabEmbedding, tied_lm_head
 from appliance.models.config_checks import check_config
-from appliance.models.llama import cached_fused_plan, check_tp_sizes, fused_linear_entries, fused_param_for
+from appliance.models.llama import (cached_fused_plan, check_tp_sizes, fused_cache_ok, fused_linear_entries,
+                                    fused_param_for)
 
 log = logging.getLogger("appliance")
 
@@ -328,12 +329,13 @@ class GemmaForCausalLM(nn.Module):
     def _fused_layers(self):
         """The decoder stack as one native call (``ops.native.llama_layers`` with Gemma's extras), or None,
         under the Llama stack's conditions (``LlamaForCausalLM._fused_layers``): native ops with
-        FUSED_LAYERS, every projection on a method the stack applies, KV caches and activations of one
-        dtype the kernels take, float32 RoPE tables on the CPU, head_dim a multiple of 16."""
+        FUSED_LAYERS, every projection on a method the stack applies, activations of one dtype the
+        kernels take, KV caches they read (``fused_cache_ok``, quantized ones included), float32 RoPE tables
+        on the CPU, head_dim a multiple of 16."""
         found = cached_fused_plan(self)
         if found is None:
             return None
-        (flat, kinds, extras), ctx, all_reduce = found
+        (flat, kinds, extras), ctx, all_reduce, kv_scales = found
         ops = ctx.ops
         cfg, md = self.config, ctx.attn
         at = self.model.layers[0].self_attn  # this rank's heads and MLP width
@@ -348,7 +350,7 @@ class GemmaForCausalLM(nn.Module):
                 x, positions, flat, kinds, windows, self.model.norm.scale, cfg.rms_norm_eps, at.num_heads,
                 at.num_kv_heads, cfg.head_dim, intermediate, at.attn.scale, shared, md.slot_mapping,
                 md.block_table, md.seq_lens, md.query_start_loc, all_reduce, extras=extras, act=act,
-                logits_soft_cap=at.attn.logits_soft_cap)
+                logits_soft_cap=at.attn.logits_soft_cap, kv_scales=kv_scales)
         return run
 
     def _linears(self, i: int):
@@ -374,7 +376,7 @@ class GemmaForCausalLM(nn.Module):
             descs = [m.fused_descriptor() for m in self._linears(i)]
             if any(d is None for d in descs) or at.o_proj.bias is not None:
                 return None
-            if kc.dtype != dt or vc.dtype != dt or not (kc.is_contiguous() and vc.is_contiguous()):
+            if not fused_cache_ok(kc, vc, dt):
                 return None
             # the norms multiply by OffsetRMSNorm's float32 factor (1 + w), as on the per-op path
             flat += [layer.input_layernorm.scale, at.q_norm.scale if at.qk_norm else empty,

@@ -22,6 +22,7 @@ from appliance.layers.norm import RMSNorm
 from appliance.layers.rotary import build_inv_freq, cos_sin_cache, rope_parameters, rotary_dim
 from appliance.layers.vocab import VocabEmbedding, tied_lm_head
 from appliance.models.config_checks import check_config
+from appliance.ops.reference import kv_cache_is_quantized
 
 
 @dataclass(frozen=True)
@@ -237,13 +238,14 @@ class LlamaForCausalLM(nn.Module):
     def _fused_layers(self):
         """The whole decoder stack as one native call (``ops.native.llama_layers``), or None. Only when
         the per-op path would run every op natively anyway: native ops with FUSED_LAYERS, every q/k/v,
-        o, gate/up and down projection on a method the stack applies (``fused_descriptor``), norms,
-        KV caches and activations of one dtype the kernels take (float32 or bfloat16), a float32 rotary
-        table, head_dim a multiple of 16."""
+        o, gate/up and down projection on a method the stack applies (``fused_descriptor``), norms and
+        activations of one dtype the kernels take (float32 or bfloat16), KV caches the attention kernels
+        read (``fused_cache_ok``: the model's dtype, bfloat16, or int8/fp8 with their scales), a float32
+        rotary table, head_dim a multiple of 16."""
         found = cached_fused_plan(self)
         if found is None:
             return None
-        (flat, kinds), ctx, all_reduce = found
+        (flat, kinds), ctx, all_reduce, kv_scales = found
         ops = ctx.ops
         cfg, md = self.config, ctx.attn
         at = self.model.layers[0].self_attn  # this rank's heads and MLP width (all of them on one rank)
@@ -256,7 +258,7 @@ class LlamaForCausalLM(nn.Module):
             return ops.llama_layers(
                 x, positions, flat, kinds, windows, self.model.norm.weight, cfg.rms_norm_eps, at.num_heads,
                 at.num_kv_heads, cfg.head_dim, intermediate, scale, self.rotary.cos_sin_cache,
-                md.slot_mapping, md.block_table, md.seq_lens, md.query_start_loc, all_reduce)
+                md.slot_mapping, md.block_table, md.seq_lens, md.query_start_loc, all_reduce, kv_scales=kv_scales)
         return run
 
     def _linears(self, i: int):
@@ -284,9 +286,7 @@ class LlamaForCausalLM(nn.Module):
             norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             if at.qk_norm:
                 norms += [at.q_norm.weight, at.k_norm.weight]
-            if any(w.dtype != dt for w in norms) or kc.dtype != dt or vc.dtype != dt:
-                return None
-            if not (kc.is_contiguous() and vc.is_contiguous()):
+            if any(w.dtype != dt for w in norms) or not fused_cache_ok(kc, vc, dt):
                 return None
             # the layout of llama_layers (native/neon_sve/bindings/torch_bindings.cpp): the layer's
             # own tensors, then per projection weight, bias and 3 aux tensors, and 4 ints
@@ -316,12 +316,38 @@ def fused_linear_entries(descs, flat: list, kinds: list, empty: torch.Tensor) ->
 
 
 
+def fused_cache_ok(kc: torch.Tensor, vc: torch.Tensor, dt: torch.dtype) -> bool:
+    """Whether the one-call stack takes a layer's KV caches under a model of dtype ``dt``: contiguous, of one
+    dtype, and one the native attention kernels read and write (as the per-op path's ``reshape_and_cache``
+    and ``paged_attention`` do): the model's own, bfloat16 (``--kv-cache-dtype bfloat16`` under a float32
+    model), or a quantized one (int8 / fp8; its scales are checked by ``cached_fused_plan``)."""
+    return (kc.dtype == vc.dtype and kc.is_contiguous() and vc.is_contiguous()
+            and (kc.dtype in (dt, torch.bfloat16) or kv_cache_is_quantized(kc.dtype)))
+
+
+def _fused_kv_scales(ops, kv_caches, kv_scales) -> list[torch.Tensor] | None:
+    """The stack's ``kv_scales``: empty for float caches, per layer (k_scale, v_scale) for quantized ones,
+    or None where a quantized cache lacks scales the kernels take (then the per-op path runs, and its
+    ops fall back to the reference as they would)."""
+    if not any(kv_cache_is_quantized(kc.dtype) for kc, _ in kv_caches):
+        return []
+    if kv_scales is None or len(kv_scales) != len(kv_caches):
+        return None
+    flat: list[torch.Tensor] = []
+    for (kc, vc), (ks, vs) in zip(kv_caches, kv_scales):
+        if not (ops.kv_scales_ok(kc, ks) and ops.kv_scales_ok(vc, vs)):
+            return None
+        flat += [ks, vs]
+    return flat
+
+
 def cached_fused_plan(model: nn.Module):
-    """``(plan, forward context, all-reduce entry)`` for a model's one-call decoder stack, or None where
-    the stack cannot run this step: native ops with FUSED_LAYERS only, and under tensor parallel only
-    with a communicator that has a native entry (shared memory; gloo leaves the per-op path). The plan
-    (``model._build_fused_plan(kv_caches)``, None where the stack does not apply) is kept on the model
-    and rebuilt for a new KV cache or a layer packed anew (set_backend)."""
+    """``(plan, forward context, all-reduce entry, kv_scales)`` for a model's one-call decoder stack, or
+    None where the stack cannot run this step: native ops with FUSED_LAYERS only, and under tensor
+    parallel only with a communicator that has a native entry (shared memory; gloo leaves the per-op
+    path). The plan (``model._build_fused_plan(kv_caches)``, None where the stack does not apply) is kept
+    on the model and rebuilt for a new KV cache or a layer packed anew (set_backend); ``kv_scales`` are a
+    quantized cache's per-layer k/v scales in ``llama_layers``' layout (empty for a float cache)."""
     ctx = get_forward_context()
     ops = ctx.ops
     if not getattr(ops, "FUSED_LAYERS", False) or not hasattr(ops, "llama_layers"):
@@ -330,13 +356,14 @@ def cached_fused_plan(model: nn.Module):
     all_reduce = model.tp_group.communicator.native_all_reduce() if model.tp_group.is_parallel else (0, 0)
     if all_reduce is None:
         return None
-    key = (id(ctx.kv_caches),) + tuple(id(d.weight) if (d := m.fused_descriptor()) else None
-                                       for m in model._linears(0))
+    key = (id(ctx.kv_caches), id(ctx.kv_scales)) + tuple(id(d.weight) if (d := m.fused_descriptor()) else None
+                                                        for m in model._linears(0))
     plan = model.__dict__.get("_fused_plan")
     if plan is None or plan[0] != key:
-        plan = (key, model._build_fused_plan(ctx.kv_caches))
+        scales = _fused_kv_scales(ops, ctx.kv_caches, ctx.kv_scales)
+        plan = (key, None if scales is None else model._build_fused_plan(ctx.kv_caches), scales)
         model.__dict__["_fused_plan"] = plan
-    return None if plan[1] is None else (plan[1], ctx, all_reduce)
+    return None if plan[1] is None else (plan[1], ctx, all_reduce, plan[2])
 
 # tensor-parallel support: the architectures of this file shard (appliance.distributed)
 supports_tensor_parallel = True

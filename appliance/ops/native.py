@@ -52,8 +52,9 @@ _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 _KV_DTYPES = _SUPPORTED_DTYPES + (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _scales_ok(cache: torch.Tensor, *scales: torch.Tensor | None) -> bool:
-    """A quantized cache's scales as the kernels take them (else the reference runs)."""
+def kv_scales_ok(cache: torch.Tensor, *scales: torch.Tensor | None) -> bool:
+    """A quantized cache's scales as the kernels take them (else the reference runs; the one-call
+    decoder stack, models/llama.py ``cached_fused_plan``, is not used); True for a float cache."""
     if not kv_cache_is_quantized(cache.dtype):
         return True
     want = kv_scale_shape(cache.shape[0], cache.shape[2], cache.shape[1])
@@ -309,7 +310,7 @@ def reshape_and_cache(
         or value.stride(-1) != 1
         or not key_cache.is_contiguous()
         or not value_cache.is_contiguous()
-        or not _scales_ok(key_cache, k_scale, v_scale)
+        or not kv_scales_ok(key_cache, k_scale, v_scale)
     ):
         return reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     _ext.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.to(torch.int64).contiguous(),
@@ -344,7 +345,7 @@ def paged_attention(
         or query.shape[1] % key_cache.shape[1] != 0
         or not key_cache.is_contiguous()
         or not value_cache.is_contiguous()
-        or not _scales_ok(key_cache, k_scale, v_scale)
+        or not kv_scales_ok(key_cache, k_scale, v_scale)
     ):
         return reference.paged_attention(
             query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, max_query_len,
@@ -537,7 +538,7 @@ def llama_layers(embeds: torch.Tensor, positions: torch.Tensor, layers: list[tor
                  intermediate: int, scale: float, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                  all_reduce: tuple[int, int] = (0, 0), extras: list[torch.Tensor] = (), act: int = 0,
-                 logits_soft_cap: float = 0.0) -> torch.Tensor:
+                 logits_soft_cap: float = 0.0, kv_scales: list[torch.Tensor] = ()) -> torch.Tensor:
     """Every decoder layer of a Llama-family model and its final norm in one native call (see
     ``llama_layers`` in native/neon_sve/bindings/torch_bindings.cpp for the 26 tensors per layer;
     ``kinds``: the ``LinearKind`` and 3 ints of its q/k/v, o, gate/up and down projections, from their linear
@@ -549,11 +550,15 @@ def llama_layers(embeds: torch.Tensor, positions: torch.Tensor, layers: list[tor
     Gemma 2/3 (models/gemma.py) add what a Llama call leaves at its default: ``extras``, 3 tensors per layer
     (pre- and post-feed-forward norm factors, the layer's own cos/sin table or an empty tensor for
     ``cos_sin``) making each layer sandwich-normed; ``act`` the gate's activation (``ACT_SILU``,
-    ``ACT_GELU_TANH``, ``ACT_GELU``); ``logits_soft_cap`` the attention scores' cap (0: none)."""
+    ``ACT_GELU_TANH``, ``ACT_GELU``); ``logits_soft_cap`` the attention scores' cap (0: none).
+
+    A quantized KV cache (``--kv-cache-dtype int8 / fp8_e4m3 / fp8_e5m2``) comes with ``kv_scales``: per layer
+    its k_scale then v_scale (``reference.kv_scale_shape``), which the stack writes and reads as the per-op
+    path's ``reshape_and_cache`` and ``paged_attention`` do; empty for float caches."""
     return _require().llama_layers(embeds, positions, layers, kinds, windows, final_norm_w, float(eps), num_heads,
                                    num_kv_heads, head_dim, intermediate, float(scale), cos_sin, slot_mapping,
                                    block_table, seq_lens, query_start_loc, int(all_reduce[0]), int(all_reduce[1]),
-                                   list(extras), int(act), float(logits_soft_cap))
+                                   list(extras), int(act), float(logits_soft_cap), list(kv_scales))
 
 
 # llama_layers' ``act``: the gate's activation (Activation in native/neon_sve/bindings/torch_bindings.cpp)

@@ -29,7 +29,8 @@ KERNEL_AND_LINEAR = ["tests/ops", "tests/quant/test_kernels.py", "tests/quant/te
                      "tests/quant/test_checkpoints.py", "tests/quant/test_gguf_direct.py",
                      "tests/unit/test_backend_choice.py", "tests/model/test_parity.py",
                      "tests/model/test_gemma_fused.py",
-                     "tests/model/test_kv_cache_dtype.py", "tests/quant/test_lowbit_native.py",
+                     "tests/model/test_kv_cache_dtype.py", "tests/model/test_fused_kv_cache_dtype.py",
+                     "tests/quant/test_lowbit_native.py",
                      "tests/quant/test_kquant_scales.py",
                      # K-quant packs of tensor-parallel ranks (finer super-blocks where a rank cuts one)
                      "tests/distributed/test_tp_kquant.py",

@@ -77,13 +77,13 @@ def test_fused_stack_equals_per_op_path_for_other_float_backends(tiny_model_dir,
     assert fused_out == per_op_out
 
 
-def test_reference_ops_and_quantized_kv_stay_per_op(tiny_model_dir, monkeypatch):
-    """What the stack does not take runs op by op: the reference ops, and an int8 KV cache."""
+def test_reference_ops_stay_per_op(tiny_model_dir, monkeypatch):
+    """What the stack does not take runs op by op: the reference ops. (A quantized KV cache it takes:
+    tests/model/test_fused_kv_cache_dtype.py.)"""
     calls = _counting(monkeypatch)
     arch, tie, kw = CASES["gemma3"]
     path = str(tiny_model_dir(arch, tie, 2, **kw))
-    for extra in (dict(attention_backend="reference"), dict(attention_backend="native", kv_cache_dtype="int8")):
-        llm = LLM(path, dtype="float32", linear_backend="native", num_kv_blocks=64, **extra)
-        engine_logits(llm, list(range(3, 20)))
-        assert llm.engine.runner.model.fused_calls == 0, extra
+    llm = LLM(path, dtype="float32", linear_backend="native", num_kv_blocks=64, attention_backend="reference")
+    engine_logits(llm, list(range(3, 20)))
+    assert llm.engine.runner.model.fused_calls == 0
     assert calls == []

@@ -531,6 +531,10 @@ torch::Tensor apply_linear(const int64_t* ki, const torch::Tensor& x, const torc
 // act: the gate's activation, kActSilu (silu_and_mul; a native gate/up packed for the silu epilogue), or
 //   gelu(gate) * up with torch's tanh (kActGeluTanh) or exact (kActGelu) GELU, as ops gelu_and_mul does.
 // logits_soft_cap: the attention scores' soft cap (Gemma 2), 0: none.
+// kv_scales: empty (float32 / bfloat16 caches), or 2 per layer, its k_scale then v_scale: a quantized
+//   cache's (--kv-cache-dtype int8 / fp8) per-row float32 scales [num_blocks, num_kv_heads, block_size],
+//   written and read by reshape_and_cache and paged_attention as on the per-op path (appliance/layers/
+//   attention.py), so the stack reads and writes the same codes and scales.
 // Returns the final norm of the last hidden states, [num_tokens, hidden].
 constexpr size_t kLinearEntries = 5;
 constexpr size_t kLinearInts = 4;
@@ -545,7 +549,8 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
                            const torch::Tensor& slot_mapping, const torch::Tensor& block_table,
                            const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
                            int64_t allreduce_fn, int64_t allreduce_handle,
-                           const std::vector<torch::Tensor>& extras, int64_t act, double logits_soft_cap) {
+                           const std::vector<torch::Tensor>& extras, int64_t act, double logits_soft_cap,
+                           const std::vector<torch::Tensor>& kv_scales) {
   TORCH_CHECK(!layers.empty() && layers.size() % kLayerEntries == 0, "llama_layers: ", kLayerEntries,
               " tensors per layer, got ", layers.size());
   const size_t L = layers.size() / kLayerEntries;
@@ -556,6 +561,8 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
   TORCH_CHECK(logits_soft_cap >= 0, "llama_layers: logits_soft_cap >= 0, got ", logits_soft_cap);
   TORCH_CHECK(kinds.size() == 4 * kLinearInts * L, "llama_layers: ", 4 * kLinearInts, " ints per layer");
   TORCH_CHECK(windows.size() == L, "llama_layers: one window per layer (", L, "), got ", windows.size());
+  TORCH_CHECK(kv_scales.empty() || kv_scales.size() == 2 * L, "llama_layers: kv_scales empty or 2 tensors per "
+              "layer (", 2 * L, "), got ", kv_scales.size());
   TORCH_CHECK(embeds.dim() == 2, "llama_layers: embeds [T, hidden]");
   dtype_of(embeds, "embeds");
   const int64_t T = embeds.size(0), hidden = embeds.size(1);
@@ -622,9 +629,12 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
     auto kr = torch::empty({T, num_kv_heads, head_dim}, qkv.options());
     rotary_embedding(pos, q, lcs, true, qr);
     rotary_embedding(pos, k, lcs, true, kr);
-    reshape_and_cache(kr, v, kc, vc, slots);
+    // a quantized cache's scales (the bindings refuse such a cache without them, naming k_scale / v_scale)
+    c10::optional<torch::Tensor> ks, vs;
+    if (!kv_scales.empty()) ks = kv_scales[2 * l], vs = kv_scales[2 * l + 1];
+    reshape_and_cache(kr, v, kc, vc, slots, ks, vs);
     auto attn = torch::empty({T, num_heads, head_dim}, qkv.options());
-    paged_attention(qr, kc, vc, bt, sl, qsl, scale, attn, windows[l], logits_soft_cap);
+    paged_attention(qr, kc, vc, bt, sl, qsl, scale, attn, windows[l], logits_soft_cap, ks, vs);
     const auto o = linear(ki + kLinearInts, attn.view({T, q_size}), lin + kLinearEntries, hidden);
     reduce_(o);
     auto hn = torch::empty_like(residual);
