@@ -13,10 +13,11 @@ from appliance.models.gguf_quants import KEPT
 
 # GGUF type -> (byte offset of d, of dmin or None, d's magnitude): weights of about 0.03
 # (Q4_K: d sc u, sc < 64, u < 16; Q6_K: d sc (u - 32), |sc| < 128; Q8_0: d q, |q| <= 128; Q5_0: d (u - 16);
-# Q4_0: d (u - 8); Q4_1: d u + m; Q3_K: d (sc - 32) q, |sc - 32| <= 32, |q| <= 4;
+# Q4_0: d (u - 8); Q4_1: d u + m; Q5_K: as Q4_K with u < 32; Q3_K: d (sc - 32) q, |sc - 32| <= 32, |q| <= 4;
 # Q2_K: d sc u - dmin mn, sc < 16, u < 4)
 SCALES = {"Q4_K": (0, 2, 3e-5), "Q6_K": (208, None, 1e-5), "Q8_0": (0, None, 2e-4), "Q5_0": (0, None, 2e-3),
-          "Q4_0": (0, None, 4e-3), "Q4_1": (0, 2, 2e-3), "Q3_K": (108, None, 3e-4), "Q2_K": (80, 82, 1e-3)}
+          "Q4_0": (0, None, 4e-3), "Q4_1": (0, 2, 2e-3), "Q3_K": (108, None, 3e-4), "Q2_K": (80, 82, 1e-3),
+          "Q5_K": (0, 2, 3e-5)}
 
 
 def random_blocks(qtype: str, n: int, k: int, rng) -> np.ndarray:

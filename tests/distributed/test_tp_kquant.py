@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf_files import random_blocks
 from tp_harness import Ranks
 
 from appliance.layers import parallel
@@ -22,7 +23,7 @@ from appliance.layers.linear import Linear
 from appliance.layers.methods.qmath import group_sums, quant_act_asym
 from appliance.layers.quant import QuantLinear
 from appliance.layers.weight_loading import QuantizedWeight
-from appliance.models.gguf_quants import KEPT, canonical
+from appliance.models.gguf_quants import canonical
 from appliance.ops import native
 
 pytestmark = pytest.mark.skipif(not native.is_available(), reason="the native kernels are not built")
@@ -30,9 +31,6 @@ pytestmark = pytest.mark.skipif(not native.is_available(), reason="the native ke
 # types -> (the canonical scheme's QuantLinear group, the low-bit method that keeps its scales)
 _LAYER = {"Q4_K": ("w4a8", 32, "w4a8_native"), "Q6_K": ("w8a8", 16, "w6a8_native"),
           "Q2_K": ("w8a8", 16, "w6a8_native"), "Q3_K": ("w8a8", 16, "w6a8_native")}
-_D = {"Q4_K": ((0, 3e-5), (2, 3e-5)), "Q6_K": ((208, 1e-5),), "Q2_K": ((80, 1e-3), (82, 1e-3)),
-      "Q3_K": ((108, 3e-4),)}
-
 
 @pytest.fixture(scope="module")
 def ranks():
@@ -41,12 +39,7 @@ def ranks():
 
 def _record(qtype: str, n: int, k: int, seed: int) -> QuantizedWeight:
     rng = np.random.default_rng(seed)
-    bt = KEPT[qtype]
-    raw = rng.integers(0, 256, (n, k // bt.block_size * bt.type_size), dtype=np.uint8)
-    blocks = raw.reshape(-1, bt.type_size)
-    for at, scale in _D[qtype]:
-        blocks[:, at:at + 2] = (np.abs(rng.standard_normal(len(blocks))) * scale + scale / 4).astype(
-            np.float16).reshape(-1, 1).view(np.uint8)
+    raw = random_blocks(qtype, n, k, rng)
     cw = canonical(qtype, raw, n, k)
     return QuantizedWeight(cw.qweight, cw.scale, cw.zero_point, cw.group, cw.scheme, cw.kquant)
 

@@ -29,6 +29,8 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 
+from gguf_files import random_blocks
+
 from appliance.layers import methods
 from appliance.layers.methods.qmath import group_sums, quant_act_asym
 from appliance.layers.quant import QuantLinear, _kquant_tables, packed_bytes
@@ -38,21 +40,12 @@ from appliance.ops import native
 pytestmark = pytest.mark.skipif(not native.is_available(), reason="the native kernels are not built")
 
 W4, W6 = methods.get("w4a8_native"), methods.get("w6a8_native")
-# where each type's fp16 scales sit in its block, and a realistic size for them
-_SCALES = {"Q4_K": ((0, 3e-5), (2, 3e-5)), "Q5_K": ((0, 3e-5), (2, 3e-5)), "Q6_K": ((208, 1e-5),),
-           "Q2_K": ((80, 1e-3), (82, 1e-3)), "Q3_K": ((108, 3e-4),)}
 _SYMMETRIC = ("Q6_K", "Q3_K")  # no mins: d sc q exact in fp32
 
 
 def _blocks(qtype: str, n: int, k: int, rng) -> np.ndarray:
     """Random K-quant blocks (gguf cannot quantize K-quants) with realistic fp16 d / dmin."""
-    bt = KEPT[qtype]
-    raw = rng.integers(0, 256, (n, k // bt.block_size * bt.type_size), dtype=np.uint8)
-    blocks = raw.reshape(-1, bt.type_size)
-    for at, scale in _SCALES[qtype]:
-        blocks[:, at:at + 2] = (np.abs(rng.standard_normal(len(blocks))) * scale + scale / 4).astype(
-            np.float16).reshape(-1, 1).view(np.uint8)
-    return raw
+    return random_blocks(qtype, n, k, rng)
 
 
 def _tables(cw, n: int, k: int, group: int | None = None) -> dict:
