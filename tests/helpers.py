@@ -144,3 +144,20 @@ def drive_engine(engine, ids, params, stagger: int = 0, order=None, after_step=N
         assert step < 5000
     assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks  # everything returned
     return [done[i] for i in range(len(ids))]
+
+
+def kquant_reference(x: torch.Tensor, qweight: torch.Tensor, t: dict) -> torch.Tensor:
+    """fp64 reference of the kernel's math on the file's weights: the activations quantized per token
+    (``quant_act_asym``) meet ``d sc q``; the offset ``d sc shift - dmin mn`` meets the float
+    activations' group sums. This is ``method.reference`` of the canonical form, groups of scale 0
+    included (sc = 0: every weight ``-dmin mn``; the canonical form holds q = 0 there and all of the
+    weight in its zero point, as the K-quant form holds all of it in ``dmin mn``)."""
+    from appliance.layers.methods.qmath import group_sums, quant_act_asym
+
+    g, sb = t["group"], t["super"]
+    scale = t["sup"].double().repeat_interleave(sb // g, dim=1) * t["sub"].double()
+    off = t["shift"].double()[:, None] * scale
+    if t["submin"] is not None:
+        off -= t["supmin"].double().repeat_interleave(sb // g, dim=1) * t["submin"].double()
+    w_sym = qweight.double() * scale.repeat_interleave(g, dim=1)
+    return quant_act_asym(x.float()).double() @ w_sym.t() + group_sums(x.float().double(), scale.shape[1]) @ off.t()

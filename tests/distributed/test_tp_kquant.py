@@ -8,7 +8,7 @@ What is checked: each rank's packed layer is a K-quant pack (``"kf"``, at the ex
 whose weights, read back, are exactly the unsharded layer's rows / columns (both read back from a
 K-quant pack: bit for bit); column-parallel outputs are the unsharded layer's rows (the same rows,
 the same per-token activation codes: within 1e-6 of the output scale); row-parallel outputs are the
-sum of each rank's fp64 reference of the kernel's math (``_kquant_reference``, 2e-5 of the output
+sum of each rank's fp64 reference of the kernel's math (``helpers.kquant_reference``, 2e-5 of the output
 scale, as for one layer) and within the A8 rounding of the unsharded layer (2% of the output scale)."""
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 from gguf_files import random_blocks
+from helpers import kquant_reference
 from tp_harness import Ranks
 
 from appliance.layers import parallel
 from appliance.layers.linear import Linear
-from appliance.layers.methods.qmath import group_sums, quant_act_asym
 from appliance.layers.quant import QuantLinear
 from appliance.layers.weight_loading import QuantizedWeight
 from appliance.models.gguf_quants import canonical
@@ -85,21 +85,8 @@ def test_column_parallel_ranks_hold_their_rows_k_quant_scales(ranks, qtype):
         torch.testing.assert_close(got, part, atol=1e-6 * want.abs().max().item(), rtol=0)
 
 
-def _kquant_reference(x: torch.Tensor, qweight: torch.Tensor, t: dict) -> torch.Tensor:
-    """fp64 reference of the kernel's math on a K-quant pack (as tests/quant/test_kquant_scales.py):
-    activations quantized per token meet ``sup sub q``; the offset ``sup sub shift - supmin submin``
-    meets the float activations' group sums."""
-    g, sb = t["group"], t["super"]
-    scale = t["sup"].double().repeat_interleave(sb // g, dim=1) * t["sub"].double()
-    off = t["shift"].double()[:, None] * scale
-    if t["submin"] is not None:
-        off -= t["supmin"].double().repeat_interleave(sb // g, dim=1) * t["submin"].double()
-    w_sym = qweight.double() * scale.repeat_interleave(g, dim=1)
-    return quant_act_asym(x.float()).double() @ w_sym.t() + group_sums(x.double(), scale.shape[1]) @ off.t()
-
-
 def _row_reference(layers, parts) -> torch.Tensor:
-    return sum(_kquant_reference(p, lay.__dict__["_canonical"], lay.__dict__["_tables"])
+    return sum(kquant_reference(p, lay.__dict__["_canonical"], lay.__dict__["_tables"])
                for lay, p in zip(layers, parts))
 
 

@@ -30,9 +30,9 @@ import torch
 from gguf.quants import dequantize as gguf_dequantize
 
 from gguf_files import random_blocks
+from helpers import kquant_reference
 
 from appliance.layers import methods
-from appliance.layers.methods.qmath import group_sums, quant_act_asym
 from appliance.layers.quant import QuantLinear, _kquant_tables, packed_bytes
 from appliance.models.gguf_quants import KEPT, canonical
 from appliance.ops import native
@@ -54,21 +54,6 @@ def _tables(cw, n: int, k: int, group: int | None = None) -> dict:
 
 def _reference_weights(qtype: str, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     return torch.from_numpy(gguf_dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, k)).double()
-
-
-def kquant_reference(x: torch.Tensor, qweight: torch.Tensor, t: dict) -> torch.Tensor:
-    """fp64 reference of the kernel's math on the file's weights: the activations quantized per token
-    (``quant_act_asym``) meet ``d sc q``; the offset ``d sc shift - dmin mn`` meets the float
-    activations' group sums. This is ``method.reference`` of the canonical form, groups of scale 0
-    included (sc = 0: every weight ``-dmin mn``; the canonical form holds q = 0 there and all of the
-    weight in its zero point, as the K-quant form holds all of it in ``dmin mn``)."""
-    g, sb = t["group"], t["super"]
-    scale = t["sup"].double().repeat_interleave(sb // g, dim=1) * t["sub"].double()
-    off = t["shift"].double()[:, None] * scale
-    if t["submin"] is not None:
-        off -= t["supmin"].double().repeat_interleave(sb // g, dim=1) * t["submin"].double()
-    w_sym = qweight.double() * scale.repeat_interleave(g, dim=1)
-    return quant_act_asym(x.float()).double() @ w_sym.t() + group_sums(x.float().double(), scale.shape[1]) @ off.t()
 
 
 def _check_outputs(m, p, qweight, t, k, xs=None):
