@@ -211,6 +211,13 @@ class ShmSegment:
 _instances: dict[str, int] = {}  # process group name -> communicators made on it so far
 
 
+def _all_ranks_ok(mine: bool, world_size: int, group) -> bool:
+    """Whether every rank of ``group`` says ok (every rank must call this, once, at the same point)."""
+    ok = [None] * world_size
+    dist.all_gather_object(ok, mine, group=group)
+    return all(ok)
+
+
 def forget_groups() -> None:
     """After ``torch.distributed.destroy_process_group()``: the next groups reuse the names ("0", ...)
     with new ranks (a fresh process on the other side counts from 0), so this process's counts must
@@ -248,9 +255,7 @@ class ShmCommunicator(GlooCommunicator):
             except ShmAllReduceError as e:
                 self.fallback_reason = f"{e}; gloo"
             # Every rank must agree on using the segment, or rank 0 would wait for ranks that never attach.
-            ok = [None] * world_size
-            dist.all_gather_object(ok, self.fallback_reason is None, group=group)
-            if self.fallback_reason is None and not all(ok):
+            if not _all_ranks_ok(self.fallback_reason is None, world_size, group) and self.fallback_reason is None:
                 self.fallback_reason = "the shared-memory library is unavailable on another rank; gloo"
         if self.fallback_reason is not None:
             self._fall_back(self.fallback_reason)
@@ -294,9 +299,7 @@ class ShmCommunicator(GlooCommunicator):
                 load_library()
             except ShmAllReduceError as e:
                 problem = str(e)
-        ok = [None] * self.world_size
-        dist.all_gather_object(ok, problem is None, group=group)
-        if problem is None and not all(ok):
+        if not _all_ranks_ok(problem is None, self.world_size, group) and problem is None:
             problem = "the shared-memory library is unavailable on another rank"
         if problem is None and len(local) > 1:
             store = dist.distributed_c10d._get_default_store()
@@ -324,9 +327,7 @@ class ShmCommunicator(GlooCommunicator):
                 self.segment = seg
             except ShmAllReduceError as e:
                 problem = str(e)
-        ok = [None] * self.world_size
-        dist.all_gather_object(ok, problem is None, group=group)
-        if problem is None and not all(ok):
+        if not _all_ranks_ok(problem is None, self.world_size, group) and problem is None:
             problem = "another host's ranks could not share a segment"
         if problem is not None:
             self.close()
