@@ -114,6 +114,52 @@ static void kv_quant_row(const float* x, int D, int cache_dtype, uint8_t* q, flo
   *scale = s;
 }
 
+#ifdef AK_KV_CODES
+#ifdef AK_KV_E4M3_UNIT
+constexpr float kKvE4M3LoadUnit = AK_KV_E4M3_UNIT;
+#else
+constexpr float kKvE4M3LoadUnit = 1.f;
+#endif
+// dst[j] = src[j] times the unit the variant's loads of KT leave out (kv_codes.h): the per-token
+// scales of one tile, gathered into a chunk's row of scales.
+template <class KT>
+static inline void gather_scales(const float* src, int n, float* dst) {
+  if constexpr (std::is_same<KT, KvE4M3>::value && kKvE4M3LoadUnit != 1.f) {
+    for (int j = 0; j < n; ++j) dst[j] = src[j] * kKvE4M3LoadUnit;
+  } else {
+    for (int j = 0; j < n; ++j) dst[j] = src[j];
+  }
+}
+
+// qk_tile / pv_tile over one tile of codes; an e4m3 tile holding a NaN code goes through the load
+// that decodes it (AK_KV_E4M3_NAN_SCAN, kv_codes.h).
+template <class KT>
+static inline void qk_codes(const float* Q, const void* qpack, int M, const KT* K, int n, int D, float* S,
+                            int lds) {
+#ifdef AK_KV_E4M3_NAN_SCAN
+  if constexpr (std::is_same<KT, KvE4M3>::value) {
+    if (kv_e4m3_has_nan(reinterpret_cast<const uint8_t*>(K), (int64_t)n * D)) {
+      qk_tile<KvE4M3N>(Q, qpack, M, reinterpret_cast<const KvE4M3N*>(K), n, D, S, lds);
+      return;
+    }
+  }
+#endif
+  qk_tile<KT>(Q, qpack, M, K, n, D, S, lds);
+}
+template <class KT>
+static inline void pv_codes(float* A, int M, const float* P, int lds, const KT* V, int n, int D) {
+#ifdef AK_KV_E4M3_NAN_SCAN
+  if constexpr (std::is_same<KT, KvE4M3>::value) {
+    if (kv_e4m3_has_nan(reinterpret_cast<const uint8_t*>(V), (int64_t)n * D)) {
+      pv_tile<KvE4M3N>(A, M, P, lds, reinterpret_cast<const KvE4M3N*>(V), n, D);
+      return;
+    }
+  }
+#endif
+  pv_tile<KT>(A, M, P, lds, V, n, D);
+}
+#endif
+
 struct Item {
   int seq;
   int h0, h1;       // KV heads [h0, h1): one, or all of them (see paged_attention_kt)
@@ -233,10 +279,11 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
         float* sb = S + (int64_t)hh * Mh * W + b * BS;
         if constexpr (KvQuant<KT>::value) {
 #ifdef AK_KV_CODES
-          // scores of the codes; the block's K and V scales gathered for the chunk's rows
-          qk_tile<KT>(Q + (int64_t)hh * Mh * D, qpack_of(hh), Mh, kc + off, n, D, sb, W);
-          std::memcpy(ksc + (int64_t)hh * W + b * BS, a.k_scale + off / D, sizeof(float) * (size_t)n);
-          std::memcpy(vsc + (int64_t)hh * W + b * BS, a.v_scale + off / D, sizeof(float) * (size_t)n);
+          // scores of the codes; the block's K and V scales gathered for the chunk's rows (times the
+          // unit the variant's loads leave out: kv_codes.h, AK_KV_E4M3_UNIT)
+          qk_codes<KT>(Q + (int64_t)hh * Mh * D, qpack_of(hh), Mh, kc + off, n, D, sb, W);
+          gather_scales<KT>(a.k_scale + off / D, n, ksc + (int64_t)hh * W + b * BS);
+          gather_scales<KT>(a.v_scale + off / D, n, vsc + (int64_t)hh * W + b * BS);
 #else
           kv_dequant_tile<KT>(kc + off, a.k_scale + off / D, n, D, deq);
           qk_tile<float>(Q + (int64_t)hh * Mh * D, qpack_of(hh), Mh, deq, n, D, sb, W);
@@ -300,7 +347,7 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
         if constexpr (KvQuant<KT>::value) {
 #ifdef AK_KV_CODES
           // the weights carry V's scales already (the softmax loop above)
-          pv_tile<KT>(acc + (int64_t)hh * Mh * D, Mh, pb, W, vc + off, n, D);
+          pv_codes<KT>(acc + (int64_t)hh * Mh * D, Mh, pb, W, vc + off, n, D);
 #else
           kv_dequant_tile<KT>(vc + off, a.v_scale + off / D, n, D, deq);
           pv_tile<float>(acc + (int64_t)hh * Mh * D, Mh, pb, W, deq, n, D);

@@ -14,10 +14,14 @@
 struct KvI8 { int8_t c; };
 struct KvE4M3 { uint8_t c; };
 struct KvE5M2 { uint8_t c; };
+// The same e4m3 bytes, for a variant whose KvE4M3 load leaves the NaN codes out (AK_KV_E4M3_NAN_SCAN
+// below): its load of this type decodes them as NaN. Only ever a tile of a KvE4M3 cache.
+struct KvE4M3N { uint8_t c; };
 template <class KT> struct KvQuant { static constexpr bool value = false; };
 template <> struct KvQuant<KvI8> { static constexpr bool value = true; };
 template <> struct KvQuant<KvE4M3> { static constexpr bool value = true; };
 template <> struct KvQuant<KvE5M2> { static constexpr bool value = true; };
+template <> struct KvQuant<KvE4M3N> { static constexpr bool value = true; };
 
 static inline float kv_bits_f32(uint32_t u) {
   float f;
@@ -72,3 +76,22 @@ static inline float kv_decode(KvE5M2 q) { return kKvE5M2.v[q.c]; }
 // the same scaled value), so the load multiplies by kKvE4M3HalfUnit (exact: a power of two, no
 // overflow: |value| <= 448); m == 0x7f (NaN) is mapped to the half NaN 0x7e00.
 constexpr float kKvE4M3HalfUnit = 256.f;
+
+// A variant may leave that power of two out of its e4m3 loads (code value / kKvE4M3HalfUnit, exact
+// for every finite code) and say so with `#define AK_KV_E4M3_UNIT kKvE4M3HalfUnit`: kernels_impl.h
+// then folds it into the per-token scales it already applies per score column and softmax weight
+// (k_scale * 256, exact: a power of two), one multiply per element fewer in the loads.
+//
+// A variant may also define AK_KV_E4M3_NAN_SCAN: its KvE4M3 load then skips the NaN fix-up (the
+// codes 0x7f / 0xff come out finite and wrong), which the cache writer never produces as it clamps
+// to +-448; kernels_impl.h scans each tile's codes (kv_e4m3_has_nan, a max over the bytes, vectorized)
+// and reads a tile that holds one with the KvE4M3N load, which decodes them as NaN (the same unit).
+static inline bool kv_e4m3_has_nan(const uint8_t* p, int64_t n) {
+  uint8_t m = 0;
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t b = (uint8_t)(p[i] & 0x7f);
+    m = m > b ? m : b;
+  }
+  return m == 0x7f;
+}
