@@ -112,6 +112,29 @@ struct WLowBlock {
   float* acc;            // [T][16]
 };
 
+// Per-thread float scratch that outlives the call: slot `slot` (< kScratchSlots) of the calling thread,
+// at least n floats, NOT zeroed, grown on demand and freed when the thread ends. For kernels called
+// every decode step whose workspace would otherwise be a fresh, zeroed (and past glibc's mmap
+// threshold, page-faulting) allocation each time: paged attention's per-thread workspace and its
+// partial softmax states. One caller per slot (no nesting); baseline-compiled like FloatBuf.
+enum ScratchSlot : int { kScratchAttnWork = 0, kScratchAttnPartAcc = 1, kScratchAttnPartMl = 2, kScratchSlots = 3 };
+inline float* thread_scratch(int slot, size_t n) {
+  struct Slots {
+    float* p[kScratchSlots] = {};
+    size_t n[kScratchSlots] = {};
+    ~Slots() {
+      for (float* q : p) std::free(q);
+    }
+  };
+  static thread_local Slots s;
+  if (n > s.n[slot] || !s.p[slot]) {
+    std::free(s.p[slot]);
+    s.p[slot] = static_cast<float*>(std::malloc((n ? n : 1) * sizeof(float)));
+    s.n[slot] = n;
+  }
+  return s.p[slot];
+}
+
 // Bytes of zeroed scratch (gemm_w8g_a8's quantized activations); baseline-compiled like FloatBuf.
 class ByteBuf {
  public:

@@ -485,8 +485,10 @@ static void paged_attention_kt(const AttentionArgs& a) {
       }
     }
   }
-  FloatBuf part_acc((size_t)num_partials * D);
-  FloatBuf part_ml((size_t)num_partials * 2);
+  // per-thread scratch kept across calls (a decode step's allocations would page-fault each time);
+  // every partial row is written by its item before the merge reads it
+  float* part_acc = thread_scratch(kScratchAttnPartAcc, (size_t)num_partials * D);
+  float* part_ml = thread_scratch(kScratchAttnPartMl, (size_t)num_partials * 2);
   // Rows per item: qt tokens x G heads (G alone may exceed kMaxTileRows, e.g. MQA with 128
   // heads), or a grouped item's q_len x num_heads <= kMaxTileRows.
   const int cap = std::max(kMaxTileRows, qt * G);
@@ -497,17 +499,16 @@ static void paged_attention_kt(const AttentionArgs& a) {
   const int64_t num_merges = (int64_t)merges.size();
 #pragma omp parallel if (num_items > 1)
   {
-    FloatBuf ws((size_t)ws_floats);
+    float* ws = thread_scratch(kScratchAttnWork, (size_t)ws_floats);
     // The static schedule's contiguous range, spelled out so that each item knows the thread's next.
     const int nt = team_size(), t = thread_id();
     const int64_t lo = num_items * t / nt, hi = num_items * (t + 1) / nt;
     for (int64_t i = lo; i < hi; ++i)
-      run_item<KT>(a, items[i], i + 1 < hi ? &items[i + 1] : nullptr, cap, ws.data(), part_acc.data(),
-                   part_ml.data());
+      run_item<KT>(a, items[i], i + 1 < hi ? &items[i + 1] : nullptr, cap, ws, part_acc, part_ml);
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < num_merges; ++i)
-      merge_partials(a, merges[i], part_acc.data(), part_ml.data(), ws.data());
+      merge_partials(a, merges[i], part_acc, part_ml, ws);
   }
 }
 
