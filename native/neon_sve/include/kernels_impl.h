@@ -247,7 +247,10 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
   // block; the same for V during P.V. Blocks are scattered, so the hardware prefetcher (which stops
   // at page boundaries) cannot see them coming; spreading the fetches over the chunk, instead of
   // one burst per block, keeps the core computing while they are in flight.
-  PrefetchStream pfk, pfv;
+  // A quantized cache's per-token scales are a third stream (a block's scales of the item's KV heads
+  // are one contiguous run of (h1 - h0) * BS floats, K's and V's gathered with the K tiles): fetched
+  // the same way, a block's worth with each block's K.
+  PrefetchStream pfk, pfv, pfs;
   auto plan = [&](int c) {
     const Item* src = &it;
     int cn = c + W;
@@ -258,14 +261,20 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
     const int64_t run = src ? (int64_t)(src->h1 - src->h0) * tile * (int64_t)sizeof(KT) : 0;
     pfk.reset(run);
     pfv.reset(run);
+    if constexpr (KvQuant<KT>::value) pfs.reset(src ? (int64_t)(src->h1 - src->h0) * BS * 4 : 0);
     if (!src) return;
     const int32_t* sbt = a.block_table + (int64_t)src->seq * a.block_table_stride;
     for (int pos = cn; pos < std::min(src->c1, cn + W); pos += BS) {
       const int64_t off = ((int64_t)sbt[pos / BS] * a.num_kv_heads + src->h0) * tile;
       pfk.add(kc + off);
       pfv.add(vc + off);
+      if constexpr (KvQuant<KT>::value) {
+        pfs.add(a.k_scale + off / D);
+        pfs.add(a.v_scale + off / D);
+      }
     }
   };
+  const int scale_lines = (int)((2 * (int64_t)nh * BS * 4 + 63) / 64);
   const int block_lines = (int)(((int64_t)nh * tile * (int64_t)sizeof(KT) + 63) / 64);
   for (int c = it.c0; c < it.c1; c += W) {
     const int cw = std::min(W, it.c1 - c);
@@ -273,6 +282,7 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
     for (int b = 0; b * BS < cw; ++b) {
       const int cb = c + b * BS;
       pfk.issue(block_lines);
+      if constexpr (KvQuant<KT>::value) pfs.issue(scale_lines);
       const int n = std::min(BS, cw - b * BS);
       for (int hh = 0; hh < nh; ++hh) {
         const int64_t off = tile_of(cb, it.h0 + hh);
@@ -305,27 +315,42 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
       for (int j = 0; j < j0; ++j) s[j] = 0.f;
       float* sv = s + j0;
       const int nv = nr - j0;
-      if constexpr (fold_scales) {
-        const float* ks = ksc + (int64_t)(r / Mh) * W + j0;
-#pragma omp simd
-        for (int j = 0; j < nv; ++j) sv[j] *= ks[j];
-      }
-      if (cap_c > 0.f)
-        for (int j = 0; j < nv; ++j) sv[j] = cap_c * std::tanh(sv[j] * inv_cap_c);
       // `omp simd` reductions let the compiler vectorize (reorder) these for the variant's ISA.
-      float bm = sv[0];
+      // Scores of codes: the K scales applied in the max's pass (no soft cap) or before the cap's.
+      float bm = -std::numeric_limits<float>::infinity();
+      if (fold_scales && !(cap_c > 0.f)) {
+        const float* ks = ksc + (int64_t)(r / Mh) * W + j0;
 #pragma omp simd reduction(max : bm)
-      for (int j = 1; j < nv; ++j) bm = bm > sv[j] ? bm : sv[j];
+        for (int j = 0; j < nv; ++j) {
+          sv[j] *= ks[j];
+          bm = bm > sv[j] ? bm : sv[j];
+        }
+      } else {
+        if constexpr (fold_scales) {
+          const float* ks = ksc + (int64_t)(r / Mh) * W + j0;
+#pragma omp simd
+          for (int j = 0; j < nv; ++j) sv[j] *= ks[j];
+        }
+        if (cap_c > 0.f)
+          for (int j = 0; j < nv; ++j) sv[j] = cap_c * std::tanh(sv[j] * inv_cap_c);
+#pragma omp simd reduction(max : bm)
+        for (int j = 0; j < nv; ++j) bm = bm > sv[j] ? bm : sv[j];
+      }
       const float m_new = std::max(m[r], bm);
       for (int j = 0; j < nv; ++j) sv[j] -= m_new;
       exp_vec(sv, nv);
       float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int j = 0; j < nv; ++j) sum += sv[j];
       if constexpr (fold_scales) {
+        // the row's sum of weights, and the weights times the V scales, in one pass
         const float* vs = vsc + (int64_t)(r / Mh) * W + j0;
-#pragma omp simd
-        for (int j = 0; j < nv; ++j) sv[j] *= vs[j];
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < nv; ++j) {
+          sum += sv[j];
+          sv[j] *= vs[j];
+        }
+      } else {
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < nv; ++j) sum += sv[j];
       }
       for (int j = nr; j < cw; ++j) s[j] = 0.f;
       if (m_new > m[r]) {
