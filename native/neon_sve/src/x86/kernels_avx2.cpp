@@ -119,14 +119,14 @@ static inline void qk_rows3(const float* q, const KT* K, int n, int D, float* s,
     if constexpr (std::is_same<KT, KvE5M2>::value)
       for (; d + 16 <= D; d += 16)
         for (int i = 0; i < 4; ++i) {
-        __m256 lo, hi;
-        load16(k + (int64_t)i * D + d, lo, hi);
-        a0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), lo, a0[i]);
-        a1[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + D + d), lo, a1[i]);
-        a2[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * D + d), lo, a2[i]);
-        a0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), hi, a0[i]);
-        a1[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + D + d + 8), hi, a1[i]);
-        a2[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * D + d + 8), hi, a2[i]);
+          __m256 lo, hi;
+          load16(k + (int64_t)i * D + d, lo, hi);
+          a0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), lo, a0[i]);
+          a1[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + D + d), lo, a1[i]);
+          a2[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * D + d), lo, a2[i]);
+          a0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), hi, a0[i]);
+          a1[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + D + d + 8), hi, a1[i]);
+          a2[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * D + d + 8), hi, a2[i]);
         }
     for (; d < D; d += 8) {
       const __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + D + d), q2 = _mm256_loadu_ps(q + 2 * D + d);
