@@ -17,7 +17,12 @@ def _fast_decoder(tokenizer):
     """The Rust ``tokenizers.Tokenizer.decode`` behind a transformers fast tokenizer whose ``decode``
     and ``_decode`` are the library's own: with clean-up off that is all they do, and calling it
     directly skips ~10 us of Python argument handling per call (two calls per token per request on
-    every step). None for any other tokenizer (slow ones, subclasses that override decoding)."""
+    every step). None for any other tokenizer (slow ones, subclasses that override decoding).
+    A ``GGUFTokenizer``'s decode is that Rust call too (and needs no transformers import)."""
+    from appliance.engine.tokenizer import GGUFTokenizer
+
+    if type(tokenizer) is GGUFTokenizer:
+        return tokenizer.backend_tokenizer.decode
     try:
         import tokenizers
         from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast

@@ -107,8 +107,7 @@ def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, detokenize: bool = True):
-        from transformers import AutoTokenizer
-
+        from appliance.engine.tokenizer import load_tokenizer
         from appliance.models.default_model import resolve_model_source, tokenizer_path
         from appliance.models.loader import model_info
 
@@ -128,7 +127,8 @@ class LLMEngine:
                 "max_model_len")
         self.max_model_len = config.max_model_len or limit
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or tokenizer_path(self.model_path)))
+            self.tokenizer = load_tokenizer(config.tokenizer or tokenizer_path(self.model_path),
+                                            from_gguf=config.tokenizer is None and self.model_path.is_file())
         except Exception as e:  # tokenizers raise many types for missing/corrupt files
             raise ModelLoadError(f"{config.tokenizer or self.model_path}: cannot load tokenizer ({e})") from e
         self.dtype = resolve_dtype(config.dtype, self.device)

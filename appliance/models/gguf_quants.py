@@ -175,8 +175,8 @@ def canonical(type_name: str, raw: np.ndarray, n: int, k: int, where: str = "") 
 # ---------------------------------------------------------------- bit unpacking
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
-    """The fp16 at byte ``at`` of each block, as float64 [B] (exact)."""
-    return np.ascontiguousarray(blocks[:, at:at + 2]).view("<f2")[:, 0].astype(np.float64)
+    """The fp16 at byte ``at`` (even) of each block (every type's size is even), as float64 [B] (exact)."""
+    return blocks.view("<u2")[:, at // 2].view("<f2").astype(np.float64)
 
 
 def _planes(b: np.ndarray, bits: int) -> np.ndarray:
@@ -195,19 +195,47 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def _affine(u: np.ndarray, scale: np.ndarray, low: np.ndarray, centre: int):
-    """Groups of ``w = scale * u + low`` (u [B, G, g] unsigned; scale, low float64 [B, G], exact) ->
-    (q = u - centre, fp32 scale, fp32 zero point ``-centre - low / scale``), see the module docstring;
+# Native unpacking (``appliance_native.gguf_unpack_q``) of these types' integers; the numpy code in
+# each class is the reference (tests/quant/test_gguf_quants.py holds the two equal, bit for bit).
+# False: numpy only.
+USE_NATIVE = True
+_NATIVE_KIND = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+
+
+def _native_q(name: str, blocks: np.ndarray) -> np.ndarray | None:
+    """int8 [B, block size]: the canonical ``q = u - centre`` of ``blocks`` (uint8 [B, type size],
+    contiguous) from the native extension; None when it is not built (or ``USE_NATIVE`` is off)."""
+    if not USE_NATIVE:
+        return None
+    from appliance.ops import native
+
+    if not native.is_available():
+        return None
+    import warnings
+
+    with warnings.catch_warnings():  # a read-only mmap of the file: the kernel only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(blocks)
+    return native._require().gguf_unpack_q(t, _NATIVE_KIND[name]).numpy()
+
+
+def _affine(q: np.ndarray, scale: np.ndarray, low: np.ndarray, centre: int):
+    """Groups of ``w = scale * u + low`` (q = u - centre int8 [B, G * g]; scale, low float64 [B, G],
+    exact) -> (q, fp32 scale, fp32 zero point ``-centre - low / scale``), see the module docstring;
     a group with scale 0 (every weight ``low``) gets q = 0, a power-of-two scale and the zero point
     ``-low / scale``, exactly."""
     zero = scale == 0
     if zero.any():
         _, e = np.frexp(low)  # |low| in [2^(e-1), 2^e): low / 2^(e-1) in [1, 2), exact
         scale = np.where(zero, np.where(low != 0, np.ldexp(1.0, e - 1), 1.0), scale)
-        u = np.where(zero[..., None], centre, u)
-    q = (u.astype(np.int16) - centre).astype(np.int8)
+        q = np.where(zero[..., None], np.int8(0), q.reshape(*zero.shape, -1))
     zp = np.where(zero, 0, -centre) - low / scale
     return q.reshape(q.shape[0], -1), scale.astype(np.float32), zp.astype(np.float32)
+
+
+def _centred(u: np.ndarray, centre: int) -> np.ndarray:
+    """Unsigned integers ``u`` [B, ...] -> int8 ``u - centre`` [B, prod(...)]."""
+    return (u.astype(np.int16) - centre).astype(np.int8).reshape(u.shape[0], -1)
 
 
 def _low_high(b: np.ndarray) -> np.ndarray:
@@ -224,8 +252,10 @@ class Q4_0(BlockType):
     name, scheme, group, has_zero_point = "Q4_0", "w4a8", 32, False
 
     def decode(self, blocks):
-        u = _low_high(blocks[:, 2:18])
-        return (u.astype(np.int8) - 8), _f16(blocks, 0)[:, None].astype(np.float32), None
+        q = _native_q(self.name, blocks)
+        if q is None:
+            q = _low_high(blocks[:, 2:18]).astype(np.int8) - 8
+        return q, _f16(blocks, 0)[:, None].astype(np.float32), None
 
 
 @_keep
@@ -235,8 +265,10 @@ class Q4_1(BlockType):
     name, scheme, group, has_zero_point = "Q4_1", "w4a8", 32, True
 
     def decode(self, blocks):
-        u = _low_high(blocks[:, 4:20])
-        return _affine(u[:, None, :], _f16(blocks, 0)[:, None], _f16(blocks, 2)[:, None], 8)
+        q = _native_q(self.name, blocks)
+        if q is None:
+            q = _centred(_low_high(blocks[:, 4:20]), 8)
+        return _affine(q, _f16(blocks, 0)[:, None], _f16(blocks, 2)[:, None], 8)
 
 
 def _q5_u(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
@@ -251,8 +283,10 @@ class Q5_0(BlockType):
     name, scheme, group, has_zero_point = "Q5_0", "w8a8", 32, False
 
     def decode(self, blocks):
-        u = _q5_u(blocks[:, 2:6], blocks[:, 6:22])
-        return (u.astype(np.int8) - 16), _f16(blocks, 0)[:, None].astype(np.float32), None
+        q = _native_q(self.name, blocks)
+        if q is None:
+            q = _q5_u(blocks[:, 2:6], blocks[:, 6:22]).astype(np.int8) - 16
+        return q, _f16(blocks, 0)[:, None].astype(np.float32), None
 
 
 @_keep
@@ -262,8 +296,10 @@ class Q5_1(BlockType):
     name, scheme, group, has_zero_point = "Q5_1", "w8a8", 32, True
 
     def decode(self, blocks):
-        u = _q5_u(blocks[:, 4:8], blocks[:, 8:24])
-        return _affine(u[:, None, :], _f16(blocks, 0)[:, None], _f16(blocks, 2)[:, None], 16)
+        q = _native_q(self.name, blocks)
+        if q is None:
+            q = _centred(_q5_u(blocks[:, 4:8], blocks[:, 8:24]), 16)
+        return _affine(q, _f16(blocks, 0)[:, None], _f16(blocks, 2)[:, None], 16)
 
 
 @_keep
@@ -276,10 +312,10 @@ class Q8_0(BlockType):
         return np.ascontiguousarray(blocks[:, 2:34]).view(np.int8), _f16(blocks, 0)[:, None].astype(np.float32), None
 
 
-def _k_affine(blocks: np.ndarray, u: np.ndarray, centre: int):
-    """Q4_K/Q5_K: fp16 d, fp16 dmin, 12 bytes of sub-scales; u [B, 8, 32]. w = d sc u - dmin mn."""
+def _k_affine(blocks: np.ndarray, q: np.ndarray, centre: int):
+    """Q4_K/Q5_K: fp16 d, fp16 dmin, 12 bytes of sub-scales; q = u - centre [B, 256]. w = d sc u - dmin mn."""
     sc, mn = _k_scales(blocks[:, 4:16])
-    return _affine(u, _f16(blocks, 0)[:, None] * sc, -_f16(blocks, 2)[:, None] * mn, centre)
+    return _affine(q, _f16(blocks, 0)[:, None] * sc, -_f16(blocks, 2)[:, None] * mn, centre)
 
 
 def _k_kscales(blocks: np.ndarray):
@@ -300,8 +336,10 @@ class Q4_K(BlockType):
         return _k_kscales(blocks)
 
     def decode(self, blocks):
-        u = _planes(blocks[:, 16:144].reshape(-1, 4, 32), 4).reshape(-1, 8, 32)
-        return _k_affine(blocks, u, 8)
+        q = _native_q(self.name, blocks)
+        if q is None:
+            q = _centred(_planes(blocks[:, 16:144].reshape(-1, 4, 32), 4), 8)
+        return _k_affine(blocks, q, 8)
 
 
 @_keep
@@ -316,9 +354,11 @@ class Q5_K(BlockType):
         return _k_kscales(blocks)
 
     def decode(self, blocks):
-        low = _planes(blocks[:, 48:176].reshape(-1, 4, 32), 4).reshape(-1, 8, 32)
-        u = low | (_planes(blocks[:, 16:48], 1) << 4)
-        return _k_affine(blocks, u, 16)
+        q = _native_q(self.name, blocks)
+        if q is None:
+            low = _planes(blocks[:, 48:176].reshape(-1, 4, 32), 4).reshape(-1, 8, 32)
+            q = _centred(low | (_planes(blocks[:, 16:48], 1) << 4), 16)
+        return _k_affine(blocks, q, 16)
 
 
 @_keep
@@ -335,9 +375,11 @@ class Q6_K(BlockType):
         return np.ascontiguousarray(blocks[:, 192:208]).view(np.int8), None, _f16(blocks, 208), None
 
     def decode(self, blocks):
-        low = _planes(blocks[:, 0:128].reshape(-1, 2, 64), 4).reshape(-1, 256)
-        high = _planes(blocks[:, 128:192].reshape(-1, 2, 32), 2).reshape(-1, 256)
-        q = (low | (high << 4)).astype(np.int8) - 32
+        q = _native_q(self.name, blocks)
+        if q is None:
+            low = _planes(blocks[:, 0:128].reshape(-1, 2, 64), 4).reshape(-1, 256)
+            high = _planes(blocks[:, 128:192].reshape(-1, 2, 32), 2).reshape(-1, 256)
+            q = (low | (high << 4)).astype(np.int8) - 32
         sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float64)
         return q, (_f16(blocks, 208)[:, None] * sc).astype(np.float32), None
 
@@ -362,8 +404,8 @@ class Q2_K(BlockType):
 
     def decode(self, blocks):
         s = blocks[:, 0:16]
-        u = _two_bit(blocks[:, 16:80]).reshape(-1, 16, 16)
-        return _affine(u, _f16(blocks, 80)[:, None] * (s & 15), -_f16(blocks, 82)[:, None] * (s >> 4), 2)
+        q = _centred(_two_bit(blocks[:, 16:80]), 2)
+        return _affine(q, _f16(blocks, 80)[:, None] * (s & 15), -_f16(blocks, 82)[:, None] * (s >> 4), 2)
 
 
 @_keep

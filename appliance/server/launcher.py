@@ -144,11 +144,11 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-def _load_tokenizer(path):
-    from transformers import AutoTokenizer
+def _load_tokenizer(path, from_gguf: bool = False):
+    from appliance.engine.tokenizer import load_tokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return load_tokenizer(path, from_gguf)
     except Exception as e:  # noqa: BLE001 - tokenizers raise many types for bad files
         raise ApplianceError(f"{path}: cannot load tokenizer ({e})") from e
 
@@ -239,7 +239,8 @@ def serve(engine_config: EngineConfig, server: ServerConfig) -> int:
     client.start_process()
     try:
         # while the core loads the model
-        tokenizer = _load_tokenizer(engine_config.tokenizer or tokenizer_path(model_path))
+        tokenizer = _load_tokenizer(engine_config.tokenizer or tokenizer_path(model_path),
+                                    from_gguf=engine_config.tokenizer is None and model_path.is_file())
         info = client.wait_ready()
     except BaseException:
         client.shutdown(timeout=2)

@@ -47,11 +47,21 @@ class StructuredOutputs:
     def tokenizer(self):
         if self._lltok is None:
             import llguidance
-            import llguidance.hf
+
+            from appliance.engine.tokenizer import GGUFTokenizer
 
             try:
-                self._lltok = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
-                                                           eos_token=list(self.eos_token_ids) or None)
+                eos = list(self.eos_token_ids) or None
+                if type(self.hf_tokenizer) is GGUFTokenizer:  # what llguidance.hf does, without transformers
+                    backend = self.hf_tokenizer.backend_tokenizer  # no padding or truncation (GGUFTokenizer.open)
+                    self._lltok = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
+                                                         eos_token=eos if eos is not None else
+                                                         self.hf_tokenizer.eos_token_id)
+                else:
+                    import llguidance.hf
+
+                    self._lltok = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
+                                                               eos_token=eos)
             except Exception as e:  # noqa: BLE001 - e.g. a slow (Python) tokenizer
                 raise InvalidRequestError(f"structured_outputs: this model's tokenizer cannot drive the grammar "
                                           f"engine ({e})", param="structured_outputs") from None

@@ -238,3 +238,55 @@ def test_wrong_byte_count_names_type_and_sizes():
         canonical("IQ4_XS", raw, 4, 256)
     with pytest.raises(ModelLoadError, match="expected 576 bytes"):
         canonical("Q4_K", raw.view(np.int8), 4, 256)  # the bytes must be uint8, as GGUFReader gives them
+
+
+# ---------------------------------------------------------------- native unpacking == numpy
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_native_unpacking_is_the_numpy_reference(name, monkeypatch):
+    """``appliance_native.gguf_unpack_q`` (Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K) gives the numpy decoders'
+    canonical form bit for bit: q, scale, zero point and K-quant scales, on random and worst-case
+    blocks (zero-scale groups included) and on a read-only array (a GGUF's mmap). Where the
+    extension is not built the decoders say so by returning None and numpy decodes."""
+    from appliance.ops import native
+
+    rng = np.random.default_rng(3)
+    raws = [(_random_blocks(name, 16, 512, rng, s), 16, 512) for s in (1e-3, 1.0, 1e3)]
+    worst = _worst_blocks(name)
+    raws.append((worst, worst.shape[0], 256))
+    ro = raws[0][0].copy()
+    ro.setflags(write=False)
+    raws.append((ro, 16, 512))
+    natively = name in gguf_quants._NATIVE_KIND
+    blocks = np.ascontiguousarray(raws[0][0]).reshape(-1, KEPT[name].type_size)
+    if not native.is_available():
+        assert gguf_quants._native_q("Q4_0", blocks) is None and native.unavailable_reason()
+        pytest.fail(f"native extension not built ({native.unavailable_reason()}): nothing to compare")
+    if natively:  # Q8_0 (a view of the bytes), Q3_K and Q2_K stay numpy
+        assert gguf_quants._native_q(name, blocks) is not None
+    for raw, n, k in raws:
+        got = canonical(name, raw, n, k)
+        monkeypatch.setattr(gguf_quants, "USE_NATIVE", False)
+        want = canonical(name, raw, n, k)
+        monkeypatch.setattr(gguf_quants, "USE_NATIVE", True)
+        assert torch.equal(got.qweight, want.qweight), name
+        assert torch.equal(got.scale, want.scale)
+        assert (got.zero_point is None) == (want.zero_point is None)
+        if got.zero_point is not None:
+            assert torch.equal(got.zero_point, want.zero_point)
+        if want.kquant is not None:
+            for f in ("sub", "submin", "sup", "supmin"):
+                a, b = getattr(got.kquant, f), getattr(want.kquant, f)
+                assert (a is None and b is None) or torch.equal(a, b), f
+
+
+def test_native_unpacking_checks_its_input():
+    from appliance.ops import native
+
+    if not native.is_available():
+        pytest.fail(f"native extension not built ({native.unavailable_reason()})")
+    ext = native._require()
+    with pytest.raises(RuntimeError, match=r"blocks contiguous uint8 \[B, 18\]"):
+        ext.gguf_unpack_q(torch.zeros(4, 20, dtype=torch.uint8), 0)
+    with pytest.raises(RuntimeError, match="kind must be 0..6; got 7"):
+        ext.gguf_unpack_q(torch.zeros(4, 18, dtype=torch.uint8), 7)

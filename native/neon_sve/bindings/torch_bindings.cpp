@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -322,6 +323,111 @@ std::vector<torch::Tensor> pack_wlow_planes(const torch::Tensor& q, int64_t bits
     }
   });
   return {lo, hi, qsum};
+}
+
+// GGUF blocks -> the canonical integers q = u - centre (appliance/models/gguf_quants.py, whose numpy
+// decoders are the reference and hold the layouts' description). kind: 0 Q4_0, 1 Q4_1, 2 Q5_0,
+// 3 Q5_1, 4 Q4_K, 5 Q5_K, 6 Q6_K. blocks uint8 [B, type size] -> int8 [B, block size]; the scales
+// and zero points stay in Python (one per group, cheap there). One loop per type, each with
+// uniform shifts so that the compiler vectorizes it.
+namespace gguf_unpack {
+
+// byte v -> 8 bytes, byte i = 16 * bit i of v (the 5th bits of Q5_0/Q5_1, 8 weights at a time)
+struct FifthBits {
+  uint64_t t[256];
+  FifthBits() {
+    for (int v = 0; v < 256; ++v) {
+      uint64_t x = 0;
+      for (int i = 0; i < 8; ++i) x |= (uint64_t)(((v >> i) & 1) << 4) << (8 * i);
+      t[v] = x;
+    }
+  }
+};
+
+void q4_0(const uint8_t* x, int8_t* o, int off) {  // fp16 d (, fp16 m), 16 bytes of nibbles
+  const uint8_t* qs = x + off;
+  for (int j = 0; j < 16; ++j) {
+    o[j] = (int8_t)((qs[j] & 15) - 8);
+    o[j + 16] = (int8_t)((qs[j] >> 4) - 8);
+  }
+}
+
+void q5_0(const uint8_t* x, int8_t* o, int off, const FifthBits& fb) {  // 4 bytes of 5th bits, nibbles
+  const uint8_t* qh = x + off;
+  const uint8_t* qs = qh + 4;
+  uint8_t h[32];
+  for (int i = 0; i < 4; ++i) std::memcpy(h + 8 * i, &fb.t[qh[i]], 8);
+  for (int j = 0; j < 16; ++j) {
+    o[j] = (int8_t)(((qs[j] & 15) | h[j]) - 16);
+    o[j + 16] = (int8_t)(((qs[j] >> 4) | h[j + 16]) - 16);
+  }
+}
+
+void qk(const uint8_t* x, int8_t* o, bool five) {  // Q4_K / Q5_K: 128 bytes of nibbles (Q5_K: + 5th bits)
+  const uint8_t* qh = x + 16;
+  const uint8_t* qs = x + (five ? 48 : 16);
+  const int c = five ? 16 : 8;
+  for (int i = 0; i < 4; ++i) {
+    const uint8_t* s = qs + 32 * i;
+    int8_t* lo = o + 64 * i;
+    int8_t* hi = lo + 32;
+    if (five) {
+      for (int l = 0; l < 32; ++l) {
+        lo[l] = (int8_t)(((s[l] & 15) | (((qh[l] >> (2 * i)) & 1) << 4)) - c);
+        hi[l] = (int8_t)(((s[l] >> 4) | (((qh[l] >> (2 * i + 1)) & 1) << 4)) - c);
+      }
+    } else {
+      for (int l = 0; l < 32; ++l) {
+        lo[l] = (int8_t)((s[l] & 15) - c);
+        hi[l] = (int8_t)((s[l] >> 4) - c);
+      }
+    }
+  }
+}
+
+void q6_k(const uint8_t* x, int8_t* o) {  // 128 bytes of low nibbles, 64 bytes of high 2 bits
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = x + 64 * h;
+    const uint8_t* qh = x + 128 + 32 * h;
+    int8_t* oh = o + 128 * h;
+    for (int l = 0; l < 32; ++l) {
+      oh[l] = (int8_t)(((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32);
+      oh[32 + l] = (int8_t)(((ql[32 + l] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32);
+      oh[64 + l] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+      oh[96 + l] = (int8_t)(((ql[32 + l] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+    }
+  }
+}
+
+}  // namespace gguf_unpack
+
+torch::Tensor gguf_unpack_q(const torch::Tensor& blocks, int64_t kind) {
+  static const int64_t kTypeSize[] = {18, 20, 22, 24, 144, 176, 210};
+  static const int64_t kBlock[] = {32, 32, 32, 32, 256, 256, 256};
+  static const gguf_unpack::FifthBits fifth;
+  TORCH_CHECK(kind >= 0 && kind <= 6, "gguf_unpack_q: kind must be 0..6; got ", kind);
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() &&
+                  blocks.size(1) == kTypeSize[kind],
+              "gguf_unpack_q: blocks contiguous uint8 [B, ", kTypeSize[kind], "]");
+  const int64_t nb = blocks.size(0), bs = kBlock[kind], ts = kTypeSize[kind];
+  auto q = torch::empty({nb, bs}, torch::TensorOptions().dtype(torch::kChar));
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  at::parallel_for(0, nb, 2048, [&](int64_t b0, int64_t b1) {
+    const uint8_t* x = bp + b0 * ts;
+    int8_t* o = qp + b0 * bs;
+    const int64_t m = b1 - b0;
+    switch (kind) {
+      case 0: for (int64_t b = 0; b < m; ++b) gguf_unpack::q4_0(x + b * ts, o + b * bs, 2); break;
+      case 1: for (int64_t b = 0; b < m; ++b) gguf_unpack::q4_0(x + b * ts, o + b * bs, 4); break;
+      case 2: for (int64_t b = 0; b < m; ++b) gguf_unpack::q5_0(x + b * ts, o + b * bs, 2, fifth); break;
+      case 3: for (int64_t b = 0; b < m; ++b) gguf_unpack::q5_0(x + b * ts, o + b * bs, 4, fifth); break;
+      case 4: for (int64_t b = 0; b < m; ++b) gguf_unpack::qk(x + b * ts, o + b * bs, false); break;
+      case 5: for (int64_t b = 0; b < m; ++b) gguf_unpack::qk(x + b * ts, o + b * bs, true); break;
+      default: for (int64_t b = 0; b < m; ++b) gguf_unpack::q6_k(x + b * ts, o + b * bs); break;
+    }
+  });
+  return q;
 }
 
 // Low-bit weights with a GGUF K-quant's own scales (WLowArgs' ksuper > 0), packed by
@@ -822,6 +928,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_wlow_a8", &gemm_wlow_a8);
   m.def("gemm_wlow_kq_a8", &gemm_wlow_kq_a8);
   m.def("pack_wlow_planes", &pack_wlow_planes);
+  m.def("gguf_unpack_q", &gguf_unpack_q);
   m.def("gemm_f32", &gemm_f32, pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("n"), pybind11::arg("silu_mul") = false);
   m.def("argmax_rows", &argmax_rows);
