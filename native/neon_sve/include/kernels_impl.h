@@ -859,7 +859,9 @@ static void gemm_wlow_a8(const WLowArgs& a) {
     if (has_off)
       for (int64_t g = 0; g < groups; ++g) {
         float sum = 0.f;
-        for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += a.x[m * K + k];
+        const float* xg = a.x + m * K + g * G;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t k = 0; k < G; ++k) sum += xg[k];
         xs.data()[m * groups + g] = sum;
       }
 #ifdef AK_WLOW_FAST
@@ -878,14 +880,31 @@ static void gemm_wlow_a8(const WLowArgs& a) {
   auto kscales = [&](int64_t tile, int64_t g0, int64_t ng, float* sc, float* off) {
     const int8_t* sub = a.ksub + (tile * groups + g0) * 16;
     const int8_t* smin = a.ksubmin ? a.ksubmin + (tile * groups + g0) * 16 : nullptr;
-    for (int64_t g = 0; g < ng; ++g) {
-      const int64_t b = (tile * supers + (g0 + g) * G / S) * 16;
-      for (int r = 0; r < 16; ++r) {
-        const float s = a.ksup[b + r] * (float)sub[g * 16 + r];
-        sc[g * 16 + r] = s;
-        if (off)
-          off[g * 16 + r] = (a.kshift ? (float)a.kshift[tile * 16 + r] * s : 0.f) -
-                            (smin ? a.ksupmin[b + r] * (float)smin[g * 16 + r] : 0.f);
+    // one 16-row group at a time, each loop a plain 16-lane vector loop (no branch inside)
+    const int8_t* shift = a.kshift ? a.kshift + tile * 16 : nullptr;
+    const int64_t gps = S / G;  // groups per super-block (S is a multiple of G)
+    int64_t si = g0 / gps, gi = g0 % gps;
+    for (int64_t g = 0; g < ng; ++g, gi = gi + 1 == gps ? (++si, 0) : gi + 1) {
+      const int64_t b = (tile * supers + si) * 16;
+      const float* sup = a.ksup + b;
+      const int8_t* sg = sub + g * 16;
+      float* scg = sc + g * 16;
+#pragma omp simd
+      for (int r = 0; r < 16; ++r) scg[r] = sup[r] * (float)sg[r];
+      if (!off) continue;
+      float* og = off + g * 16;
+      if (shift) {
+#pragma omp simd
+        for (int r = 0; r < 16; ++r) og[r] = (float)shift[r] * scg[r];
+      } else {
+#pragma omp simd
+        for (int r = 0; r < 16; ++r) og[r] = 0.f;
+      }
+      if (smin) {
+        const float* supmin = a.ksupmin + b;
+        const int8_t* mg = smin + g * 16;
+#pragma omp simd
+        for (int r = 0; r < 16; ++r) og[r] -= supmin[r] * (float)mg[r];
       }
     }
   };
@@ -902,10 +921,14 @@ static void gemm_wlow_a8(const WLowArgs& a) {
       for (int r = 0; r < 16; ++r) y[r] -= cz * rs[r];
     }
     const float* off = kq ? koff : (a.offset ? a.offset + tile * groups * 16 : nullptr);
-    if (off) {
+    if (off) {  // a 16-lane vector FMA per group (the group loop is not the one to vectorize)
       const float* xg = xs.data() + m * groups;
-      for (int64_t g = 0; g < groups; ++g)
-        for (int r = 0; r < 16; ++r) y[r] += off[g * 16 + r] * xg[g];
+      for (int64_t g = 0; g < groups; ++g) {
+        const float xv = xg[g];
+        const float* og = off + g * 16;
+#pragma omp simd
+        for (int r = 0; r < 16; ++r) y[r] += og[r] * xv;
+      }
     }
     for (int r = 0; r < rows; ++r) o[r] = y[r];
   };
