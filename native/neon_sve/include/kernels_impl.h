@@ -880,8 +880,10 @@ static void gemm_wlow_a8(const WLowArgs& a) {
   auto kscales = [&](int64_t tile, int64_t g0, int64_t ng, float* sc, float* off) {
     const int8_t* sub = a.ksub + (tile * groups + g0) * 16;
     const int8_t* smin = a.ksubmin ? a.ksubmin + (tile * groups + g0) * 16 : nullptr;
-    // one 16-row group at a time, each loop a plain 16-lane vector loop (no branch inside)
-    const int8_t* shift = a.kshift ? a.kshift + tile * 16 : nullptr;
+    // one 16-row group at a time, each a plain vector loop with no branch inside: sc = d * sub, and
+    // off = shift * sc - dmin * submin (the shift as a float per row, 0 without one)
+    float shf[16];
+    for (int r = 0; r < 16; ++r) shf[r] = a.kshift ? (float)a.kshift[tile * 16 + r] : 0.f;
     const int64_t gps = S / G;  // groups per super-block (S is a multiple of G)
     int64_t si = g0 / gps, gi = g0 % gps;
     for (int64_t g = 0; g < ng; ++g, gi = gi + 1 == gps ? (++si, 0) : gi + 1) {
@@ -889,23 +891,31 @@ static void gemm_wlow_a8(const WLowArgs& a) {
       const float* sup = a.ksup + b;
       const int8_t* sg = sub + g * 16;
       float* scg = sc + g * 16;
+      float* og = off ? off + g * 16 : nullptr;
+      const float* supmin = smin ? a.ksupmin + b : nullptr;
+      const int8_t* mg = smin ? smin + g * 16 : nullptr;
+#ifdef AK_WLOW_KSCALE_GROUP
+      wlow_kscale_group(sup, sg, shf, supmin, mg, scg, og);
+#else
+      if (!og) {
 #pragma omp simd
-      for (int r = 0; r < 16; ++r) scg[r] = sup[r] * (float)sg[r];
-      if (!off) continue;
-      float* og = off + g * 16;
-      if (shift) {
+        for (int r = 0; r < 16; ++r) scg[r] = sup[r] * (float)sg[r];
+      } else if (!mg) {
 #pragma omp simd
-        for (int r = 0; r < 16; ++r) og[r] = (float)shift[r] * scg[r];
+        for (int r = 0; r < 16; ++r) {
+          const float v = sup[r] * (float)sg[r];
+          scg[r] = v;
+          og[r] = shf[r] * v;
+        }
       } else {
 #pragma omp simd
-        for (int r = 0; r < 16; ++r) og[r] = 0.f;
+        for (int r = 0; r < 16; ++r) {
+          const float v = sup[r] * (float)sg[r];
+          scg[r] = v;
+          og[r] = shf[r] * v - supmin[r] * (float)mg[r];
+        }
       }
-      if (smin) {
-        const float* supmin = a.ksupmin + b;
-        const int8_t* mg = smin + g * 16;
-#pragma omp simd
-        for (int r = 0; r < 16; ++r) og[r] -= supmin[r] * (float)mg[r];
-      }
+#endif
     }
   };
   // the tile's rows: sx * acc plus the offsets' term against the float group sums; koff: the
@@ -921,14 +931,18 @@ static void gemm_wlow_a8(const WLowArgs& a) {
       for (int r = 0; r < 16; ++r) y[r] -= cz * rs[r];
     }
     const float* off = kq ? koff : (a.offset ? a.offset + tile * groups * 16 : nullptr);
-    if (off) {  // a 16-lane vector FMA per group (the group loop is not the one to vectorize)
+    if (off) {  // y[r] += sum_g off[g][r] * xs[g]
       const float* xg = xs.data() + m * groups;
-      for (int64_t g = 0; g < groups; ++g) {
+#ifdef AK_WLOW_OFFSET_DOT
+      wlow_offset_dot(off, xg, groups, y);
+#else
+      for (int64_t g = 0; g < groups; ++g) {  // a 16-lane vector FMA per group
         const float xv = xg[g];
         const float* og = off + g * 16;
 #pragma omp simd
         for (int r = 0; r < 16; ++r) y[r] += og[r] * xv;
       }
+#endif
     }
     for (int r = 0; r < rows; ++r) o[r] = y[r];
   };
