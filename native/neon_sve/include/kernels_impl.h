@@ -843,7 +843,7 @@ static void gemm_wlow_a8(const WLowArgs& a) {
 #endif
   const int64_t M = a.M, K = a.K, N = a.N, G = a.group, groups = K / G;
   // K-quant scales: the chunk's fp32 group scales are formed from them in L1 (ksc), the group sums
-  // of q are zero (zws) and the zero point's term is taken per row in finish (krowsum)
+  // of q are taken as zero (WLowBlock.wsum null) and the zero point's term is taken per row in finish (krowsum)
   const bool kq = a.ksuper > 0;
   const int64_t S = kq ? a.ksuper : K, supers = K / S;
   const bool has_off = a.offset || (kq && (a.ksubmin || a.kshift));
@@ -956,7 +956,6 @@ static void gemm_wlow_a8(const WLowArgs& a) {
   {
     FloatBuf acc((size_t)(mb * 16));
     FloatBuf ksc(kq ? (size_t)(chunk / G * 16) : 1), koff(kq && has_off ? (size_t)(groups * 16) : 1);
-    ByteBuf zws(kq ? (size_t)(chunk / G * 16 * 2) : 1);  // zeroed
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < mblocks * tiles; ++item) {
       const int64_t tile = item % tiles, m0 = item / tiles * mb, T = std::min(mb, M - m0);
@@ -978,7 +977,7 @@ static void gemm_wlow_a8(const WLowArgs& a) {
         if (kq) {
           kscales(tile, k0 / G, b.kc / G, ksc.data(), has_off ? koff.data() + k0 / G * 16 : nullptr);
           b.scale = ksc.data();
-          b.wsum = reinterpret_cast<const int16_t*>(zws.data());
+          b.wsum = nullptr;  // q's group sums are zero with K-quant scales
         } else {
           b.scale = a.scale + (tile * groups + k0 / G) * 16;
           b.wsum = a.wsum + (tile * groups + k0 / G) * 16;
