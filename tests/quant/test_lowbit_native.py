@@ -83,16 +83,23 @@ def test_held_weights_are_ggufs_dequantization_and_outputs_the_reference(qtype, 
 
 @pytest.mark.parametrize("bits,group,zp", [(4, 32, True), (4, 32, False), (6, 16, False), (6, 32, True)])
 @pytest.mark.parametrize("scale_at", ["fp16_max", "fp16_min"])
-def test_worst_case_blocks(bits, group, zp, scale_at):
+@pytest.mark.parametrize("pattern", ["alternating", "uniform"])
+def test_worst_case_blocks(bits, group, zp, scale_at, pattern):
     """Every weight at an end of its range and every activation coded 127 / -128 with all products of
     one sign: the integer sums are at their largest and nothing cancels (a saturating int16 pair sum
     would show as an error of order one). Scales: fp16's largest (65504) times the largest 6-bit
-    sub-scale (63); and fp16's smallest subnormal (2^-24)."""
+    sub-scale (63); and fp16's smallest subnormal (2^-24). "uniform": every weight at the top of its
+    range and every activation but the first coded -128, so each int16 lane of a VPMADDUBSW pair holds
+    2 * u_max * 128 and the x86 kernels' int16 sums over several steps (4 bits: eight products of
+    steps before a widening, 30720) are at their bound."""
     m = W4 if bits == 4 else W6
     n, k = 32, 512
     c = 8 if bits == 4 else 32
     kk = torch.arange(k)
-    q = torch.where(((torch.arange(n)[:, None] + kk) % 2) == 1, c - 1, -c).to(torch.int8)
+    if pattern == "uniform":
+        q = torch.full((n, k), c - 1, dtype=torch.int8)
+    else:
+        q = torch.where(((torch.arange(n)[:, None] + kk) % 2) == 1, c - 1, -c).to(torch.int8)
     s = 65504.0 * 63 if scale_at == "fp16_max" else 2.0 ** -24
     scale = torch.full((n, k // group), s)
     zero_point = torch.full((n, k // group), -3.0) if zp else None
@@ -101,9 +108,14 @@ def test_worst_case_blocks(bits, group, zp, scale_at):
 
     # 2 rows: the per-token loop (decode); 6 rows: a tile's chunk unpacked once for 4 tokens at a time
     for rows in (2, 6):
-        x = torch.where(kk % 2 == 1, -1.0, 0.99).reshape(1, k).repeat(rows, 1)
+        if pattern == "uniform":
+            x = torch.where(kk == 0, 0.99, -1.0).reshape(1, k).repeat(rows, 1)
+        else:
+            x = torch.where(kk % 2 == 1, -1.0, 0.99).reshape(1, k).repeat(rows, 1)
         xq, _, _ = quant_act(x)
         assert set(xq.unique().tolist()) == {-128.0, 127.0}  # the codes at their ends
+        if pattern == "uniform":
+            assert (xq[:, 1:] == -128).all()
         y = m.apply(p, x).double()
         ref = m.reference(x, q, scale, zero_point=zero_point)
         assert (y - ref).abs().max().item() <= 2e-5 * ref.abs().max().item(), rows

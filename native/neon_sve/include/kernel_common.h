@@ -108,7 +108,7 @@ struct WLowBlock {
   int64_t ldg;
   const float* zp;       // [T] the tokens' zero points
   const float* scale;    // [kc/G][16] the chunk's group scales
-  const int16_t* wsum;   // [kc/G][16] the chunk's integer group sums of q
+  const int16_t* wsum;   // [kc/G][16] the chunk's integer group sums of q; null: all zero
   float* acc;            // [T][16]
 };
 

@@ -916,7 +916,7 @@ static void gemm_wlow_a8(const WLowArgs& a) {
 #endif
   const int64_t M = a.M, K = a.K, N = a.N, G = a.group, groups = K / G;
   // K-quant scales: the chunk's fp32 group scales are formed from them in L1 (ksc), the group sums
-  // of q are zero (zws) and the zero point's term is taken per row in finish (krowsum)
+  // of q are taken as zero (WLowBlock.wsum null) and the zero point's term is taken per row in finish (krowsum)
   const bool kq = a.ksuper > 0;
   const int64_t S = kq ? a.ksuper : K, supers = K / S;
   const bool has_off = a.offset || (kq && (a.ksubmin || a.kshift));
@@ -932,7 +932,9 @@ static void gemm_wlow_a8(const WLowArgs& a) {
     if (has_off)
       for (int64_t g = 0; g < groups; ++g) {
         float sum = 0.f;
-        for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += a.x[m * K + k];
+        const float* xg = a.x + m * K + g * G;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t k = 0; k < G; ++k) sum += xg[k];
         xs.data()[m * groups + g] = sum;
       }
 #ifdef AK_WLOW_FAST
@@ -951,15 +953,42 @@ static void gemm_wlow_a8(const WLowArgs& a) {
   auto kscales = [&](int64_t tile, int64_t g0, int64_t ng, float* sc, float* off) {
     const int8_t* sub = a.ksub + (tile * groups + g0) * 16;
     const int8_t* smin = a.ksubmin ? a.ksubmin + (tile * groups + g0) * 16 : nullptr;
-    for (int64_t g = 0; g < ng; ++g) {
-      const int64_t b = (tile * supers + (g0 + g) * G / S) * 16;
-      for (int r = 0; r < 16; ++r) {
-        const float s = a.ksup[b + r] * (float)sub[g * 16 + r];
-        sc[g * 16 + r] = s;
-        if (off)
-          off[g * 16 + r] = (a.kshift ? (float)a.kshift[tile * 16 + r] * s : 0.f) -
-                            (smin ? a.ksupmin[b + r] * (float)smin[g * 16 + r] : 0.f);
+    // one 16-row group at a time, each a plain vector loop with no branch inside: sc = d * sub, and
+    // off = shift * sc - dmin * submin (the shift as a float per row, 0 without one)
+    float shf[16];
+    for (int r = 0; r < 16; ++r) shf[r] = a.kshift ? (float)a.kshift[tile * 16 + r] : 0.f;
+    const int64_t gps = S / G;  // groups per super-block (S is a multiple of G)
+    int64_t si = g0 / gps, gi = g0 % gps;
+    for (int64_t g = 0; g < ng; ++g, gi = gi + 1 == gps ? (++si, 0) : gi + 1) {
+      const int64_t b = (tile * supers + si) * 16;
+      const float* sup = a.ksup + b;
+      const int8_t* sg = sub + g * 16;
+      float* scg = sc + g * 16;
+      float* og = off ? off + g * 16 : nullptr;
+      const float* supmin = smin ? a.ksupmin + b : nullptr;
+      const int8_t* mg = smin ? smin + g * 16 : nullptr;
+#ifdef AK_WLOW_KSCALE_GROUP
+      wlow_kscale_group(sup, sg, shf, supmin, mg, scg, og);
+#else
+      if (!og) {
+#pragma omp simd
+        for (int r = 0; r < 16; ++r) scg[r] = sup[r] * (float)sg[r];
+      } else if (!mg) {
+#pragma omp simd
+        for (int r = 0; r < 16; ++r) {
+          const float v = sup[r] * (float)sg[r];
+          scg[r] = v;
+          og[r] = shf[r] * v;
+        }
+      } else {
+#pragma omp simd
+        for (int r = 0; r < 16; ++r) {
+          const float v = sup[r] * (float)sg[r];
+          scg[r] = v;
+          og[r] = shf[r] * v - supmin[r] * (float)mg[r];
+        }
       }
+#endif
     }
   };
   // the tile's rows: sx * acc plus the offsets' term against the float group sums; koff: the
@@ -975,10 +1004,18 @@ static void gemm_wlow_a8(const WLowArgs& a) {
       for (int r = 0; r < 16; ++r) y[r] -= cz * rs[r];
     }
     const float* off = kq ? koff : (a.offset ? a.offset + tile * groups * 16 : nullptr);
-    if (off) {
+    if (off) {  // y[r] += sum_g off[g][r] * xs[g]
       const float* xg = xs.data() + m * groups;
-      for (int64_t g = 0; g < groups; ++g)
-        for (int r = 0; r < 16; ++r) y[r] += off[g * 16 + r] * xg[g];
+#ifdef AK_WLOW_OFFSET_DOT
+      wlow_offset_dot(off, xg, groups, y);
+#else
+      for (int64_t g = 0; g < groups; ++g) {  // a 16-lane vector FMA per group
+        const float xv = xg[g];
+        const float* og = off + g * 16;
+#pragma omp simd
+        for (int r = 0; r < 16; ++r) y[r] += og[r] * xv;
+      }
+#endif
     }
     for (int r = 0; r < rows; ++r) o[r] = y[r];
   };
@@ -992,7 +1029,6 @@ static void gemm_wlow_a8(const WLowArgs& a) {
   {
     FloatBuf acc((size_t)(mb * 16));
     FloatBuf ksc(kq ? (size_t)(chunk / G * 16) : 1), koff(kq && has_off ? (size_t)(groups * 16) : 1);
-    ByteBuf zws(kq ? (size_t)(chunk / G * 16 * 2) : 1);  // zeroed
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < mblocks * tiles; ++item) {
       const int64_t tile = item % tiles, m0 = item / tiles * mb, T = std::min(mb, M - m0);
@@ -1014,7 +1050,7 @@ static void gemm_wlow_a8(const WLowArgs& a) {
         if (kq) {
           kscales(tile, k0 / G, b.kc / G, ksc.data(), has_off ? koff.data() + k0 / G * 16 : nullptr);
           b.scale = ksc.data();
-          b.wsum = reinterpret_cast<const int16_t*>(zws.data());
+          b.wsum = nullptr;  // q's group sums are zero with K-quant scales
         } else {
           b.scale = a.scale + (tile * groups + k0 / G) * 16;
           b.wsum = a.wsum + (tile * groups + k0 / G) * 16;
