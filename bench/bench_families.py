@@ -29,6 +29,9 @@ ratio of 1.15 is 15% slower). Weights MB: the weight bytes one decode step reads
 ratio where decode streams its weights from DRAM (an MoE at batch 16 reads ~10x the expert bytes of
 its dense twin).
 
+``--quantization w8a8 --linear-backend w8a8_native`` (or ``w4a8`` / ``w4a8_native``) quantizes both models
+of a pair at load onto the same method: each system at its native quantized setting.
+
 Run with nothing else on the machine (prints a table, writes JSON next to a .txt copy):
 
     .venv/bin/python bench/bench_families.py --pairs gemma3-1b qwen3-30b-a3b --json bench/results/families.json
@@ -109,6 +112,48 @@ def model_dir(pair: str, which: int, layers: int | None, smoke: bool) -> Path:
 
 def worker(spec: dict) -> dict:
     """In a fresh process: load, warm up, time batch 1 and batch B. One JSON line out."""
+    loaded = _load(spec)
+    res, run, reads = loaded["res"], loaded["run"], loaded["reads"]
+    b1 = [run(1)[1][0] for _ in range(spec["reps"])]
+    bb = [run(spec["batch"]) for _ in range(spec["reps"])]
+    res.update(_decode_columns(spec, b1, bb, reads))
+    return res
+
+
+def worker_interleaved(spec: dict) -> dict:
+    """In one fresh process: both models of a pair loaded side by side, then REPS rounds, each timing
+    batch 1 and batch B of both models, which one goes first alternating by round, so a shared host's
+    load falls on both alike. One JSON line out: {"family": ..., "dense": ...}."""
+    models = {key: _load(dict(spec, model=spec[f"{key}_model"], vocab=spec[f"{key}_vocab"]))
+              for key in ("family", "dense")}
+    b1 = {key: [] for key in models}
+    bb = {key: [] for key in models}
+    order = list(models)
+    for i in range(spec["reps"]):
+        for key in (order if i % 2 == 0 else order[::-1]):
+            run = models[key]["run"]
+            b1[key].append(run(1)[1][0])
+            bb[key].append(run(spec["batch"]))
+    out = {}
+    for key, m in models.items():
+        out[key] = dict(m["res"], **_decode_columns(spec, b1[key], bb[key], m["reads"]))
+    return out
+
+
+def _decode_columns(spec: dict, b1: list[dict], bb: list[tuple[float, list[dict]]], reads) -> dict:
+    res = {"b1_prefill_tok_s": median([spec["prompt_len"] / r["ttft_s"] for r in b1]),
+           "b1_tpot_ms": median([r["tpot_s"] * 1e3 for r in b1 if r["tpot_s"]])}
+    walls = [w for w, _ in bb]
+    tpots = [r["tpot_s"] * 1e3 for _, rs in bb for r in rs if r["tpot_s"]]
+    res["bB_out_tok_s"] = median([spec["batch"] * spec["out_len"] / w for w in walls])
+    res["bB_tpot_ms"] = median(tpots)
+    res["b1_weights_mb"], res["bB_weights_mb"] = reads.mb_per_step(1), reads.mb_per_step(spec["batch"])
+    return res
+
+
+def _load(spec: dict) -> dict:
+    """Load spec["model"], warm up; returns its load columns, a run(n) timing n requests, and its
+    WeightReads."""
     import random
 
     import psutil
@@ -126,6 +171,7 @@ def worker(spec: dict) -> dict:
     timing = _count_choice_timing()
     t = time.perf_counter()
     llm = LLM(spec["model"], dtype="float32", num_threads=spec["threads"], enable_prefix_caching=False,
+              quantization=spec.get("quantization", "none"), linear_backend=spec.get("linear_backend", "auto"),
               max_model_len=spec["prompt_len"] + spec["out_len"] + 16, max_num_seqs=max(16, spec["batch"]))
     res = {"load_s": time.perf_counter() - t, "read_s": read_s, "rss_after_load": psutil.Process().memory_info().rss}
     # the linear-backend timing is a one-off per host and shape (cached in linear_backends.json): whichever
@@ -163,19 +209,7 @@ def worker(spec: dict) -> dict:
         return wall, out
 
     run(1)  # warm-up: measured backend choices, first-touch of the weights
-    reads = WeightReads(eng.runner.model)
-    b1 = [run(1)[1][0] for _ in range(spec["reps"])]
-    res["b1_prefill_tok_s"] = median([spec["prompt_len"] / r["ttft_s"] for r in b1])
-    res["b1_tpot_ms"] = median([r["tpot_s"] * 1e3 for r in b1 if r["tpot_s"]])
-    walls, tpots = [], []
-    for _ in range(spec["reps"]):
-        wall, rs = run(spec["batch"])
-        walls.append(wall)
-        tpots += [r["tpot_s"] * 1e3 for r in rs if r["tpot_s"]]
-    res["bB_out_tok_s"] = median([spec["batch"] * spec["out_len"] / w for w in walls])
-    res["bB_tpot_ms"] = median(tpots)
-    res["b1_weights_mb"], res["bB_weights_mb"] = reads.mb_per_step(1), reads.mb_per_step(spec["batch"])
-    return res
+    return {"res": res, "run": run, "reads": WeightReads(eng.runner.model)}
 
 
 def _count_choice_timing() -> list[float]:
@@ -233,11 +267,11 @@ class WeightReads:
         return (self.fixed + experts) / 1e6
 
 
-def run_worker(spec: dict, timeout: float) -> dict:
+def run_worker(spec: dict, timeout: float, mode: str = "--worker") -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:
-        r = subprocess.run([sys.executable, __file__, "--worker", f.name], capture_output=True, text=True,
+        r = subprocess.run([sys.executable, __file__, mode, f.name], capture_output=True, text=True,
                            timeout=timeout)
     finally:
         os.unlink(f.name)
@@ -257,7 +291,8 @@ COLUMNS = [("read_s", "file read s", ".1f"), ("load_s", "load s (warm)", ".1f"),
 def table_text(record: dict) -> str:
     s = record["settings"]
     lines = [f"machine: {record['machine'].get('cpu')} | flags: {' '.join(record['machine'].get('isa') or [])} | "
-             f"threads {s['threads']}",
+             f"threads {s['threads']} | quantization {s.get('quantization', 'none')}, linear backend "
+             f"{s.get('linear_backend', 'auto')}{' | interleaved' if s.get('interleave') else ''}",
              f"batch 1 and batch {s['batch']} (B); prompt {s['prompt_len']}, out {s['out_len']}, reps {s['reps']}; "
              "ratio = family / dense", ""]
     head = f"{'pair':<15}{'model':<12}" + "".join(f"{c[1]:>18}" for c in COLUMNS)
@@ -285,14 +320,25 @@ def main() -> None:
     ap.add_argument("--out-len", type=int, default=32)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--quantization", default="none",
+                    help="quantize both models of a pair at load (appliance's quantization: none, w8a8, w4a8)")
+    ap.add_argument("--linear-backend", default="auto",
+                    help="both models' linear method (e.g. w8a8_native, w4a8_native; default: chosen per shape)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny widths (each pair's smoke dimensions), 2 layers, prompt 16, out 4, batch 2, 1 rep")
     ap.add_argument("--worker-timeout", type=float, default=3600)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--interleave", action="store_true",
+                    help="both models of a pair in one process, their timings alternating rep by rep (a shared "
+                         "host's load falls on both alike; the load columns then include the other model's memory)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-interleaved", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(Path(args.worker).read_text()))), flush=True)
+        return
+    if args.worker_interleaved:
+        print(json.dumps(worker_interleaved(json.loads(Path(args.worker_interleaved).read_text()))), flush=True)
         return
     if args.smoke:
         args.layers, args.prompt_len, args.out_len, args.batch, args.reps = 2, 16, 4, 2, 1
@@ -303,13 +349,23 @@ def main() -> None:
     for pair in args.pairs:
         layers = args.layers or PAIRS[pair][2]
         r = {}
-        for which, key in ((0, "family"), (1, "dense")):
+        common = {"threads": args.threads, "prompt_len": args.prompt_len, "out_len": args.out_len,
+                  "batch": args.batch, "reps": args.reps, "quantization": args.quantization,
+                  "linear_backend": args.linear_backend}
+        if args.interleave:
+            spec = dict(common)
+            for which, key in ((0, "family"), (1, "dense")):
+                spec[f"{key}_model"] = r[f"{key}_model"] = str(model_dir(pair, which, layers, args.smoke))
+                spec[f"{key}_vocab"] = model_config(pair, which, layers, args.smoke)[1]["vocab_size"]
+            log(f"{pair}: running both models interleaved")
+            both = run_worker(spec, args.worker_timeout, "--worker-interleaved")
+            r["family"], r["dense"] = (both, both) if "error" in both else (both["family"], both["dense"])
+        for which, key in () if args.interleave else ((0, "family"), (1, "dense")):
             path = model_dir(pair, which, layers, args.smoke)
             r[f"{key}_model"] = str(path)
             log(f"{pair} {key}: running {path.name}")
-            r[key] = run_worker({"model": str(path), "threads": args.threads, "prompt_len": args.prompt_len,
-                                 "out_len": args.out_len, "batch": args.batch, "reps": args.reps,
-                                 "vocab": model_config(pair, which, layers, args.smoke)[1]["vocab_size"]},
+            r[key] = run_worker(dict(common, model=str(path),
+                                     vocab=model_config(pair, which, layers, args.smoke)[1]["vocab_size"]),
                                 args.worker_timeout)
         f, d = r["family"], r["dense"]
         r["ratio"] = {k: (f[k] / d[k] if f.get(k) and d.get(k) else None) for k, _, _ in COLUMNS}

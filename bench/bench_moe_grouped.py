@@ -1,7 +1,9 @@
 """A/B of the mixture-of-experts expert pass at Qwen3-30B-A3B's per-layer shape (hidden 2048, 128
-experts of width 768, top-8; random weights, float32 experts on the ``native`` method): the per-expert
-path (``fused_moe.grouped_experts``: a Python loop over the touched experts, each a native GEMM call)
-against the one native call per layer (``ops.native.moe_experts``), interleaved in one process over
+experts of width 768, top-8; random weights, float32 experts on the ``native`` method, or with
+``--quantization w8a8 --backend w8a8_native`` / ``w4a8`` ``w4a8_native`` quantized ones): the per-expert
+path (``fused_moe.grouped_experts``: a Python loop over the touched experts, each a native GEMM call),
+the one native call's per-expert loop (``per_expert=True``) and the one native call as it chooses
+(``ops.native.moe_experts``: one parallel region for float32 or quantized experts), interleaved in one process over
 ``--layers`` layers (each its own weights, so a step streams them from DRAM as a model's would).
 
 Per configuration: a decode step of ``--batch`` tokens and a ``--prompt``-token prefill, each timed as
@@ -19,7 +21,8 @@ import time
 import torch
 
 
-def build_layers(n: int, hidden: int, width: int, experts: int, top_k: int, backend: str):
+def build_layers(n: int, hidden: int, width: int, experts: int, top_k: int, backend: str, scheme: str = "none",
+                 group: int = 32):
     from appliance.models.moe import ARCHS, MoeConfig, SparseMoeBlock
 
     hf = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=32, hidden_size=hidden, intermediate_size=6144,
@@ -35,7 +38,13 @@ def build_layers(n: int, hidden: int, width: int, experts: int, top_k: int, back
             for e in block.experts:
                 for lin in (e.gate_up_proj, e.down_proj):
                     lin.weight.normal_(0, 0.02, generator=g)
-                    lin.set_backend(backend)
+        if scheme != "none":
+            from appliance.layers import quant
+
+            quant.quantize_model(block, scheme, group)
+        for e in block.experts:
+            for lin in (e.gate_up_proj, e.down_proj):
+                lin.set_backend(backend)
         layers.append(block)
     return layers
 
@@ -46,7 +55,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--backend", default="native", help="the experts' float linear method")
+    p.add_argument("--backend", default="native", help="the experts' linear method (w8a8_native, w4a8_native "
+                   "with --quantization)")
+    p.add_argument("--quantization", default="none", choices=["none", "w8a8", "w4a8"],
+                   help="quantize the experts first (appliance's quantize_model)")
+    p.add_argument("--group", type=int, default=32, help="W4 group size (W8 is per channel)")
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--width", type=int, default=768)
     p.add_argument("--hidden", type=int, default=2048)
@@ -58,16 +71,24 @@ def main() -> None:
     from appliance.ops import native
 
     t = time.perf_counter()
-    layers = build_layers(a.layers, a.hidden, a.width, a.experts, a.top_k, a.backend)
+    layers = build_layers(a.layers, a.hidden, a.width, a.experts, a.top_k, a.backend, a.quantization, a.group)
     print(f"built {a.layers} layers in {time.perf_counter() - t:.0f} s; kernels {native.kernel_variant()}, "
           f"threads {torch.get_num_threads()}")
     g = torch.Generator().manual_seed(1)
 
-    def step(x, fused: bool) -> float:
+    real = native.moe_experts
+
+    def step(x, fused: bool, loop: bool = False) -> float:
+        """fused False: the Python per-expert path; True: the one native call (loop: its per-expert loop,
+        each touched expert's kernels in turn, as before the one-region paths)."""
         native.FUSED_LAYERS = fused
+        native.moe_experts = (lambda *args: real(*args, per_expert=True)) if loop else real
         t0 = time.perf_counter()
-        for block in layers:
-            block(x)
+        try:
+            for block in layers:
+                block(x)
+        finally:
+            native.moe_experts = real
         return time.perf_counter() - t0
 
     def router_only(x) -> float:
@@ -81,10 +102,13 @@ def main() -> None:
         torch.set_num_threads(threads)  # the extension's OpenMP regions share torch's runtime
         rows += measure(a, layers, step, router_only, g, threads)
     native.FUSED_LAYERS = True
-    print(f"{'threads':>7} {'step':8} {'tokens':>6} {'experts hit':>11} {'per-expert ms':>14} {'one call ms':>12} "
-          f"{'new/old':>8} {'router ms':>10} {'max |diff|':>10}")
-    for threads, name, tokens, touched, o, n, r, d in rows:
-        print(f"{threads:7d} {name:8} {tokens:6d} {touched:11d} {o:14.1f} {n:12.1f} {n / o:8.2f} {r:10.2f} {d:10.2g}")
+    print(f"experts: {a.quantization} on {a.backend}; per-expert: the Python loop; native loop: one call, each "
+          "touched expert's kernels in turn; one call: as the call chooses (one region where it can)")
+    print(f"{'threads':>7} {'step':8} {'tokens':>6} {'experts hit':>11} {'per-expert ms':>14} {'native loop ms':>15} "
+          f"{'one call ms':>12} {'one/per-exp':>11} {'one/loop':>9} {'router ms':>10} {'max |diff|':>10}")
+    for threads, name, tokens, touched, o, lp, n, r, d in rows:
+        print(f"{threads:7d} {name:8} {tokens:6d} {touched:11d} {o:14.1f} {lp:15.1f} {n:12.1f} {n / o:11.2f} "
+              f"{n / lp:9.2f} {r:10.2f} {d:10.2g}")
 
 
 def measure(a, layers, step, router_only, g, threads):
@@ -102,18 +126,17 @@ def measure(a, layers, step, router_only, g, threads):
             native.FUSED_LAYERS = True
             new = layers[0](xs[0])
             diff = (new - old_out).abs().max().item()
-            old, one, rt = [], [], []
-            for i, x in enumerate(xs[1:]):  # alternating which runs first
-                if i % 2:
-                    one.append(step(x, True))
-                    old.append(step(x, False))
-                else:
-                    old.append(step(x, False))
-                    one.append(step(x, True))
+            old, loop, one, rt = [], [], [], []
+            runs = ((old, lambda x: step(x, False)), (loop, lambda x: step(x, True, loop=True)),
+                    (one, lambda x: step(x, True)))
+            for i, x in enumerate(xs[1:]):  # rotating which runs first
+                for j in range(3):
+                    out, fn = runs[(i + j) % 3]
+                    out.append(fn(x))
                 rt.append(router_only(x))
             touched = len(torch.unique(layers[0].gate(xs[1])[2]))
-            rows.append((threads, name, tokens, touched, statistics.median(old) * 1e3, statistics.median(one) * 1e3,
-                         statistics.median(rt) * 1e3, diff))
+            rows.append((threads, name, tokens, touched, statistics.median(old) * 1e3, statistics.median(loop) * 1e3,
+                         statistics.median(one) * 1e3, statistics.median(rt) * 1e3, diff))
     return rows
 
 

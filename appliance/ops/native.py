@@ -566,13 +566,23 @@ ACT_SILU, ACT_GELU_TANH, ACT_GELU = 0, 1, 2
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: list[torch.Tensor],
-                kinds: list[int], intermediate: int) -> torch.Tensor:
+                kinds: list[int], intermediate: int, per_expert: bool = False) -> torch.Tensor:
     """One mixture-of-experts layer's experts in one native call: ``sum_k weights[t, k] *
     expert[ids[t, k]](x[t])`` for x ``[T, hidden]``, ids and weights ``[T, top_k]`` (see ``moe_experts``
     in native/neon_sve/bindings/torch_bindings.cpp): ``experts`` holds per expert its gate/up then its
     down projection as ``llama_layers`` takes a projection (weight, bias, 3 aux tensors), ``kinds`` their
-    ``LinearKind`` and 3 ints, from the linear methods' ``fused_descriptor``."""
-    return _require().moe_experts(x, ids, weights, experts, kinds, int(intermediate))
+    ``LinearKind`` and 3 ints, from the linear methods' ``fused_descriptor``.
+
+    Float32 native experts run in one parallel region (the kernels' ``moe_f32``), and so do quantized
+    ones on one W8A8 / low-bit kind per projection (``moe_q``: each token's activation quantized once,
+    (expert, tile) work items over the threads); others, or all with ``per_expert``, run each touched
+    expert's projections once on its rows (the reference the one-region paths are tested against)."""
+    return _require().moe_experts(x, ids, weights, experts, kinds, int(intermediate), bool(per_expert))
+
+
+def moe_q_calls() -> int:
+    """How many ``moe_experts`` calls ran the quantized one-region path (``moe_q``) in this process."""
+    return int(_require().moe_q_calls())
 
 
 def gate_up_order(intermediate: int) -> torch.Tensor | None:

@@ -36,7 +36,9 @@ KERNEL_AND_LINEAR = ["tests/ops", "tests/quant/test_kernels.py", "tests/quant/te
                      "tests/distributed/test_tp_kquant.py",
                      # the MoE models through ops.moe_experts (the kernels' moe_f32 and every expert kind)
                      "tests/model/test_moe.py::test_greedy_and_logits_match_transformers",
-                     "tests/model/test_moe.py::test_quantized_moe_model_in_the_engine"]
+                     "tests/model/test_moe.py::test_quantized_moe_model_in_the_engine",
+                     # quantized experts in one region (the kernels' moe_q) against the per-expert path
+                     "tests/model/test_moe.py::test_quantized_experts_one_region_gives_the_per_expert_tokens"]
 QUALITY = ["tests/quant/test_default_model_quality.py"]
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 

@@ -481,6 +481,40 @@ def test_quantized_moe_model_in_the_engine(tiny_model_dir, scheme):
     assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)] == one_by_one
 
 
+@pytest.mark.skipif(not native_available(), reason="needs the native kernels (python -m appliance.ops.native --build)")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("scheme,backend", [("w8a8", "w8a8_native"), ("w4a8", "w4a8_native")])
+def test_quantized_experts_one_region_gives_the_per_expert_tokens(tiny_model_dir, monkeypatch, arch, scheme, backend):
+    """Quantized experts on the native W8A8 / W4A8 kernels run in one parallel region per layer
+    (ops.moe_experts' moe_q: each token quantized once). The engine's greedy tokens (one request, and
+    the prompts batched) and last-token logits equal the per-expert path's (FUSED_LAYERS off: each
+    expert's QuantLinear on its rows): the same kernels' work items over the same rows."""
+    path = tiny_model_dir(arch)
+    # W4 groups of 16: Mixtral's tiny expert width (48) takes no default group of 32
+    llm = LLM(str(path), dtype="float32", quantization=scheme, linear_backend=backend, num_kv_blocks=128,
+              quant_group_size=16)
+    model = llm.engine.runner.model
+    assert all(lin.backend == backend for b in _sparse_layers(model) for e in b.experts
+               for lin in (e.gate_up_proj, e.down_proj))
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(p) for p in PROMPTS]
+
+    def run():
+        batched = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)]
+        single = llm.generate(prompt_token_ids=[ids[1]], sampling_params=GREEDY)[0].outputs[0].token_ids
+        return batched, single, engine_logits(llm, ids[1])
+
+    before = native_ops.moe_q_calls()
+    one_region = run()
+    assert native_ops.moe_q_calls() > before
+    monkeypatch.setattr(native_ops, "FUSED_LAYERS", False)
+    before = native_ops.moe_q_calls()
+    per_expert = run()
+    assert native_ops.moe_q_calls() == before
+    assert one_region[0] == per_expert[0] and one_region[1] == per_expert[1]
+    torch.testing.assert_close(one_region[2], per_expert[2], atol=1e-5 * per_expert[2].abs().max().item(), rtol=0)
+
+
 # ---------------------------------------------------------------- GGUF
 
 GGUF_VOCAB = 2048

@@ -20,8 +20,8 @@ from appliance.ops import native
 HIDDEN, WIDTH, EXPERTS, TOP_K = 96, 48, 8, 3  # width: 3 silu panels of 16; hidden: 3 panels, a tail
 
 
-def _block(width=WIDTH, seed=0) -> tuple[SparseMoeBlock, dict]:
-    hf = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=32, hidden_size=HIDDEN, intermediate_size=64,
+def _block(width=WIDTH, seed=0, hidden=HIDDEN) -> tuple[SparseMoeBlock, dict]:
+    hf = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=32, hidden_size=hidden, intermediate_size=64,
               moe_intermediate_size=width, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
               num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True)
     cfg = MoeConfig.from_hf(hf, ARCHS["Qwen3MoeForCausalLM"], "Qwen3MoeForCausalLM")
@@ -166,3 +166,122 @@ def test_bad_input_is_refused():
     flat, kinds = native_plan(block.experts)
     with pytest.raises(RuntimeError, match=r"10 tensors per expert"):
         native.moe_experts(x, torch.tensor([[0, 1, 2], [0, 1, 2]]), w, flat[:-1], kinds, WIDTH)
+
+
+# ---------------------------------------------------------------- quantized experts in one region (moe_q)
+#
+# Every touched expert's W8A8 / low-bit projections in one parallel region: each token's activation is
+# quantized once, (expert, 16-row tile) items over the threads. It runs the expert's rows through the
+# same work items, in the same row blocks, as that method's own gemm call, so it is held bit for bit to
+# the per-expert loop (per_expert=True: each touched expert's QuantLinear kernels on its rows), and to
+# a per-token loop of the QuantLinear layers themselves within 1e-6 relative (the same integer products;
+# only the weighted sums' order is the same too, so it is exact in practice).
+
+Q_HIDDEN, Q_WIDTH = 128, 96  # W4A8's smallest groups: 16; W8A8 group 32 divides both
+
+
+def _quant_block(scheme, backend, group, seed=0, extremes=False, other=None):
+    """other: {expert index: backend} for the down projections to pack on another method."""
+    from appliance.layers import quant
+
+    block, _ = _block(width=Q_WIDTH, seed=seed, hidden=Q_HIDDEN)
+    quant.quantize_model(block, scheme, group)
+    if extremes:  # every weight at the method's extremes (W8: -128 and 127, W4: -8 and 7), random signs
+        g = torch.Generator().manual_seed(seed + 100)
+        lo_q, hi_q = (-128, 127) if scheme == "w8a8" else (-8, 7)
+        for e in block.experts:
+            for lin in (e.gate_up_proj, e.down_proj):
+                pick = torch.rand(lin.qweight.shape, generator=g) < 0.5
+                lin.qweight.data = torch.where(pick, torch.tensor(lo_q, dtype=torch.int8),
+                                               torch.tensor(hi_q, dtype=torch.int8))
+                lin.weight_scale.data.uniform_(0.5e-3, 2e-3, generator=g)
+    for i, e in enumerate(block.experts):
+        e.gate_up_proj.set_backend(backend)
+        e.down_proj.set_backend((other or {}).get(i, backend))
+    return block
+
+
+def _per_token_quant_reference(block, x, ids, w):
+    """The QuantLinear experts applied token by token (the same method's own forward, silu_and_mul as
+    the reference ops), weighted and summed in increasing expert order, in float32."""
+    out = torch.zeros_like(x)
+    with set_forward_context(ForwardContext(None, [], native)):
+        for t in range(x.shape[0]):
+            order = torch.argsort(ids[t])
+            acc = None
+            for j in order.tolist():
+                y = block.experts[int(ids[t, j])](x[t:t + 1])[0] * w[t, j]
+                acc = y if acc is None else acc + y
+            out[t] = acc
+    return out
+
+
+@pytest.mark.parametrize("scheme,backend,group", [("w8a8", "w8a8_native", 32), ("w8a8", "w8a8_native", 16),
+                                                  ("w4a8", "w4a8_native", 32), ("w4a8", "w4a8_native", 16)])
+@pytest.mark.parametrize("case,tokens", [("random", 1), ("random", 16), ("random", 40),
+                                         ("all_tokens_same_experts", 19), ("one_row_each", 11)])
+def test_quantized_experts_one_region_equal_per_expert(variant, scheme, backend, group, case, tokens):
+    from helpers import skip_unless_backend
+
+    skip_unless_backend(backend)
+    block = _quant_block(scheme, backend, group)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, Q_HIDDEN, generator=g)
+    ids = _routing(case, tokens, g)
+    w = torch.rand(tokens, TOP_K, generator=g)
+    before = native.moe_q_calls()
+    got = _call(block, x, ids, w)
+    assert native.moe_q_calls() == before + 1, "the one-region quantized path did not run"
+    flat, kinds = native_plan(block.experts)
+    per_expert = native.moe_experts(x, ids, w, flat, kinds, Q_WIDTH, per_expert=True)
+    assert native.moe_q_calls() == before + 1
+    assert torch.equal(got, per_expert), (got - per_expert).abs().max()
+    want = _per_token_quant_reference(block, x, ids, w)
+    torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("scheme,backend", [("w8a8", "w8a8_native"), ("w4a8", "w4a8_native")])
+def test_quantized_experts_worst_case_inputs(variant, scheme, backend):
+    """Weights at the integer extremes (W8: -128, the AVX2 sign trick's exception, and 127; W4: -8 and 7)
+    and activations with outliers 1e4 times the rest (one element of a token at +-1e4, a token of all
+    zeros, a constant token): bit for bit the per-expert loop, and the per-token QuantLinear loop."""
+    from helpers import skip_unless_backend
+
+    skip_unless_backend(backend)
+    block = _quant_block(scheme, backend, 16, seed=3, extremes=True)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(12, Q_HIDDEN, generator=g)
+    x[0, 5] = 1e4
+    x[1, 77] = -1e4
+    x[2] = 0.0
+    x[3] = 3.0
+    x[4, :] *= 1e3
+    ids = _routing("random", 12, g)
+    w = torch.rand(12, TOP_K, generator=g)
+    before = native.moe_q_calls()
+    got = _call(block, x, ids, w)
+    assert native.moe_q_calls() == before + 1
+    flat, kinds = native_plan(block.experts)
+    assert torch.equal(got, native.moe_experts(x, ids, w, flat, kinds, Q_WIDTH, per_expert=True))
+    want = _per_token_quant_reference(block, x, ids, w)
+    assert torch.isfinite(got).all()
+    for t in range(12):  # per token: each has its own scale (the outlier rows are 1e4x the others)
+        torch.testing.assert_close(got[t], want[t], atol=1e-6 * want[t].abs().max().item() + 1e-30, rtol=0)
+
+
+def test_mixed_expert_methods_fall_back_to_the_per_expert_loop(variant):
+    """Experts on different quantized kinds (one on another W8 method) are not one region: the
+    per-expert loop runs them, with the same result as the per-token reference."""
+    from helpers import first_usable_backend, skip_unless_backend
+
+    skip_unless_backend("w8a8_native")
+    block = _quant_block("w8a8", "w8a8_native", 32, other={2: first_usable_backend("w8a16_int8pack", "w8a8_onednn")})
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, Q_HIDDEN, generator=g)
+    ids = _routing("all_tokens_same_experts", 9, g)  # expert 2 is touched
+    w = torch.rand(9, TOP_K, generator=g)
+    before = native.moe_q_calls()
+    got = _call(block, x, ids, w)
+    assert native.moe_q_calls() == before
+    want = _per_token_quant_reference(block, x, ids, w)
+    torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=0)

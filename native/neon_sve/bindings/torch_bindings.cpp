@@ -1,6 +1,7 @@
 // Thin torch binding over the torch-free kernels: checks what the kernels assume (dtypes,
 // contiguity, shapes) and passes raw pointers. Choosing whether a call goes native at all (head
 // size, dtypes) is appliance/ops/native.py's job; these checks only guard memory safety.
+#include <atomic>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -784,13 +785,22 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
 // projection), kinds: 2 * kLinearInts ints per expert (its LinearKinds, from the methods'
 // fused_descriptor). The step's (token, slot) pairs are sorted by expert (stably, counting sort); when
 // every touched expert is native fp32 (gate/up packed for the silu epilogue, no biases) and x is
-// float32, the kernel table's moe_f32 runs them all in one parallel region; otherwise each touched
-// expert's projections run once on its rows, through the kinds as llama_layers applies them. Each
+// float32, the kernel table's moe_f32 runs them all in one parallel region; when every touched
+// expert's gate/up (and down) is one quantized kind (W8G, or low-bit with fp32 group scales) of one
+// group size, without bias (nor, for W8G, offsets), moe_q does (each token quantized once, (expert, tile) items
+// over the threads); otherwise each touched expert's projections run once on its rows, through the
+// kinds as llama_layers applies them. Each
 // row's output is weighted in the weights' dtype, rounded to x's, and a token's k rows are added in
 // increasing expert order in x's dtype (transformers' loop over experts).
+// Calls that ran moe_q (tests and benchmarks read which path ran: moe_q_calls).
+static std::atomic<int64_t> g_moe_q_calls{0};
+
+int64_t moe_q_calls() { return g_moe_q_calls.load(); }
+
+// per_expert: always the per-expert loop (the reference the one-region paths are tested against).
 torch::Tensor moe_experts(const torch::Tensor& x_in, const torch::Tensor& ids_in, const torch::Tensor& weights,
                           const std::vector<torch::Tensor>& experts, const std::vector<int64_t>& kinds,
-                          int64_t intermediate) {
+                          int64_t intermediate, bool per_expert) {
   TORCH_CHECK(x_in.dim() == 2, "moe_experts: x [T, hidden], got ", x_in.dim(), " dims");
   TORCH_CHECK(ids_in.dim() == 2 && ids_in.size(0) == x_in.size(0), "moe_experts: ids [T, top_k] with T=",
               x_in.size(0), ", got ", ids_in.sizes());
@@ -823,7 +833,7 @@ torch::Tensor moe_experts(const torch::Tensor& x_in, const torch::Tensor& ids_in
   const auto rows = x.index_select(0, token_of);  // [R, H], each expert's rows contiguous
   auto lin_of = [&](int64_t e, int which) { return &experts[(size_t)(2 * e + which) * kLinearEntries]; };
   auto ki_of = [&](int64_t e, int which) { return &kinds[(size_t)(2 * e + which) * kLinearInts]; };
-  bool all_f32 = x.scalar_type() == torch::kFloat32 && intermediate % (ak::kSgemmPanel / 2) == 0;
+  bool all_f32 = !per_expert && x.scalar_type() == torch::kFloat32 && intermediate % (ak::kSgemmPanel / 2) == 0;
   for (int64_t e = 0; e < E && all_f32; ++e) {
     if (start[e + 1] == start[e]) continue;
     for (int which = 0; which < 2; ++which) {
@@ -831,8 +841,99 @@ torch::Tensor moe_experts(const torch::Tensor& x_in, const torch::Tensor& ids_in
       all_f32 = all_f32 && ki_of(e, which)[0] == kLinNative && !lin[1].numel();
     }
   }
+  // Quantized experts in one call (moe_q): per projection every touched expert on one kind (W8G, or
+  // low-bit with fp32 group scales) with one group size (and bit width), no bias, no offsets.
+  ak::MoeQProj qp[2] = {};
+  std::vector<const void*> qw[2], qws[2];
+  std::vector<const uint8_t*> qhi[2];
+  std::vector<const float*> qsc[2], qoff[2];
+  std::vector<uint8_t> qm128[2];
+  bool all_q = !per_expert && !all_f32 && x.scalar_type() == torch::kFloat32 && R > 0;
+  for (int which = 0; which < 2 && all_q; ++which) {
+    const int64_t K = which ? intermediate : H, N = which ? H : 2 * intermediate, tiles = (N + 15) / 16;
+    int64_t kind = -1, group = 0, bits = 0;
+    qw[which].assign(E, nullptr);
+    qws[which].assign(E, nullptr);
+    qhi[which].assign(E, nullptr);
+    qsc[which].assign(E, nullptr);
+    qoff[which].assign(E, nullptr);
+    qm128[which].assign(E, 0);
+    for (int64_t e = 0; e < E && all_q; ++e) {
+      if (start[e + 1] == start[e]) continue;
+      const int64_t* ki = ki_of(e, which);
+      const torch::Tensor* lin = lin_of(e, which);
+      const bool w8 = ki[0] == kLinW8G, wl = ki[0] == kLinWLow && !ki[3];
+      if (!(w8 || wl) || lin[1].numel() || (w8 && lin[4].numel()) || (kind >= 0 && (ki[0] != kind || ki[1] != group ||
+                                                                           (wl && ki[2] != bits)))) {
+        all_q = false;
+        break;
+      }
+      kind = ki[0], group = ki[1], bits = wl ? ki[2] : 0;
+      TORCH_CHECK(group % 16 == 0 && group > 0 && group <= 256 && K % group == 0 && K % 16 == 0, "moe_experts: expert ",
+                  e, (which ? " down" : " gate/up"), ": group must be a multiple of 16, <= 256, dividing K=", K,
+                  "; got ", group);
+      const int64_t groups = K / group;
+      const torch::Tensor& sc = wl ? lin[3] : lin[2];
+      TORCH_CHECK(sc.scalar_type() == torch::kFloat32 && sc.is_contiguous() && sc.numel() == tiles * groups * 16,
+                  "moe_experts: expert ", e, " scale float32 [", tiles, ", ", groups, ", 16]");
+      qsc[which][e] = sc.data_ptr<float>();
+      if (w8) {
+        TORCH_CHECK(lin[0].scalar_type() == torch::kInt8 && lin[0].is_contiguous() && lin[0].numel() == tiles * 16 * K,
+                    "moe_experts: expert ", e, " w int8 [", tiles, ", ", K / 4, ", 16, 4]");
+        TORCH_CHECK(lin[3].scalar_type() == torch::kFloat32 && lin[3].is_contiguous() &&
+                        lin[3].numel() == tiles * groups * 16,
+                    "moe_experts: expert ", e, " wsum float32 [", tiles, ", ", groups, ", 16]");
+        qw[which][e] = lin[0].data_ptr<int8_t>();
+        qws[which][e] = lin[3].data_ptr<float>();
+        qm128[which][e] = ki[2] != 0;
+      } else {
+        TORCH_CHECK(bits == 4 || bits == 6, "moe_experts: expert ", e, " bits must be 4 or 6; got ", bits);
+        TORCH_CHECK(lin[0].scalar_type() == torch::kUInt8 && lin[0].is_contiguous() && lin[0].numel() == tiles * 8 * K,
+                    "moe_experts: expert ", e, " lo uint8 [", tiles, ", ", K / 8, ", 16, 4]");
+        const int64_t hi_bytes = bits == 6 ? tiles * 4 * K : 0;
+        TORCH_CHECK(lin[2].scalar_type() == torch::kUInt8 && lin[2].is_contiguous() &&
+                        lin[2].numel() == hi_bytes + tiles * groups * 16 * 2,
+                    "moe_experts: expert ", e, " hiw uint8: the 2-bit plane (6 bits) then int16 group sums");
+        qw[which][e] = lin[0].data_ptr<uint8_t>();
+        qhi[which][e] = bits == 6 ? lin[2].data_ptr<uint8_t>() : nullptr;
+        qws[which][e] = lin[2].data_ptr<uint8_t>() + hi_bytes;
+        if (lin[4].numel()) {
+          TORCH_CHECK(lin[4].scalar_type() == torch::kFloat32 && lin[4].is_contiguous() &&
+                          lin[4].numel() == tiles * groups * 16,
+                      "moe_experts: expert ", e, " offset float32 [", tiles, ", ", groups, ", 16] or empty");
+          qoff[which][e] = lin[4].data_ptr<float>();
+        }
+      }
+    }
+    qp[which].kind = kind == kLinW8G ? 0 : 1;
+    qp[which].group = (int)group;
+    qp[which].bits = (int)bits;
+    qp[which].w = qw[which].data();
+    qp[which].hi = qhi[which].data();
+    qp[which].scale = qsc[which].data();
+    qp[which].wsum = qws[which].data();
+    qp[which].m128 = qm128[which].data();
+    qp[which].offset = qoff[which].data();
+  }
   torch::Tensor y;
-  if (all_f32) {
+  if (all_q) {
+    auto gu_out = torch::empty({R, 2 * intermediate}, x.options());
+    y = torch::empty({R, H}, x.options());
+    ak::MoeQArgs a{};
+    a.x = x.data_ptr<float>();
+    a.T = T;
+    a.H = H;
+    a.I = intermediate;
+    a.E = E;
+    a.start = start.data();
+    a.token = token_of.data_ptr<int64_t>();
+    a.gu = qp[0];
+    a.dn = qp[1];
+    a.gu_out = gu_out.data_ptr<float>();
+    a.y = y.data_ptr<float>();
+    K()->moe_q(a);
+    ++g_moe_q_calls;
+  } else if (all_f32) {
     const int64_t pgu = (2 * intermediate + ak::kSgemmPanel - 1) / ak::kSgemmPanel;
     const int64_t pdn = (H + ak::kSgemmPanel - 1) / ak::kSgemmPanel;
     std::vector<const float*> wgu(E, nullptr), wdn(E, nullptr);
@@ -936,6 +1037,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("n"));
   m.def("llama_layers", &llama_layers);
   m.def("moe_experts", &moe_experts);
+  m.def("moe_q_calls", &moe_q_calls);
   m.def("cpu_has", &cpu_has);
   m.def("kernel_variant", &kernel_variant);
   m.def("available_variants", &available_variants);

@@ -820,6 +820,134 @@ void check_moe(const std::vector<const KernelTable*>& variants) {
   }
 }
 
+// ------------------------------------------------------------------------------------------
+// One mixture-of-experts layer's quantized experts (moe_q) against the same variant's per-expert
+// calls (gemm_w8g_a8 / gemm_wlow_a8 on the expert's rows, silu_and_mul between): bit for bit, as
+// moe_q runs the same work items over the same row blocks. Experts of 0, 1, 9 (a whole block of 8
+// and one more) and 3 rows; tokens repeated across experts (each quantized once in moe_q); gate/up
+// W8G with some q = -128 (the AVX2 exact fallback) and down W8G, then both low-bit (4 bits with
+// offsets; 6 bits), activations with a 1e3 outlier.
+
+void check_moe_q(const std::vector<const KernelTable*>& variants) {
+  constexpr int H = 96, I = 64, E = 5, T = 11, G = 32;
+  const int64_t counts[E] = {3, 0, 1, 9, 4};
+  int64_t start[E + 1] = {0};
+  for (int e = 0; e < E; ++e) start[e + 1] = start[e] + counts[e];
+  const int64_t R = start[E];
+  std::vector<int64_t> token(R);
+  for (int64_t r = 0; r < R; ++r) token[r] = (r * 7 + 3) % T;
+  Rng rng(31);
+  std::vector<float> x((size_t)T * H);
+  for (auto& v : x) v = rng.normal();
+  x[5 * H + 7] = 1e3f;
+  for (int mode = 0; mode < 3; ++mode) {  // 0: W8G, 1: 4-bit with offsets, 2: 6-bit
+    const int bits = mode == 1 ? 4 : 6, ctr = bits == 6 ? 32 : 8;
+    // per expert and projection (0 gate/up [2I, H], 1 down [H, I]) the packed tensors
+    std::vector<std::vector<int8_t>> w8(2 * E);
+    std::vector<std::vector<uint8_t>> lo(2 * E), hi(2 * E);
+    std::vector<std::vector<float>> sc(2 * E), ws(2 * E), off(2 * E);
+    std::vector<std::vector<int16_t>> ws16(2 * E);
+    std::vector<uint8_t> m128(2 * E, 0);
+    for (int e = 0; e < E; ++e)
+      for (int p = 0; p < 2; ++p) {
+        const int N = p ? H : 2 * I, K = p ? I : H, tiles = (N + 15) / 16, groups = K / G;
+        const int i = 2 * e + p;
+        sc[i].assign((size_t)tiles * groups * 16, 0.f);
+        off[i].assign((size_t)tiles * groups * 16, 0.f);
+        ws[i].assign((size_t)tiles * groups * 16, 0.f);
+        ws16[i].assign((size_t)tiles * groups * 16, 0);
+        w8[i].assign((size_t)tiles * 16 * K, 0);
+        lo[i].assign((size_t)tiles * 8 * K, 0);
+        hi[i].assign((size_t)tiles * 4 * K, 0);
+        std::vector<int> q((size_t)K);
+        for (int n = 0; n < tiles * 16; ++n) {
+          const int t = n / 16, r = n % 16;
+          for (int k = 0; k < K; ++k) {
+            if (n >= N) q[k] = mode ? -ctr : 0;  // padding rows (u = 0 for low bits)
+            else if (mode == 0) q[k] = (int)(rng.next() % 256) - 128;
+            else q[k] = (int)(rng.next() % (2 * ctr)) - ctr;
+          }
+          if (mode == 0)
+            for (int k = 0; k < K; ++k) {
+              w8[i][(((size_t)t * (K / 4) + k / 4) * 16 + r) * 4 + k % 4] = (int8_t)q[k];
+              if (q[k] == -128) m128[i] = 1;
+            }
+          else
+            pack_wlow_row(q.data(), n, K, ctr, lo[i].data(), hi[i].data());
+          for (int g = 0; g < groups; ++g) {
+            int sum = 0;
+            for (int k = g * G; k < (g + 1) * G; ++k) sum += q[k];
+            const size_t at = ((size_t)t * groups + g) * 16 + r;
+            ws[i][at] = (float)sum;
+            ws16[i][at] = (int16_t)sum;
+            if (n < N) {
+              sc[i][at] = 1e-3f + 0.01f * rng.uniform();
+              off[i][at] = mode == 1 ? 0.02f * rng.normal() : 0.f;
+            }
+          }
+        }
+      }
+    // the per-expert calls (expert 1 has no rows: its pointers stay null in moe_q)
+    for (const KernelTable* kt : variants) {
+      std::vector<float> want((size_t)R * H, 0.f);
+      for (int e = 0; e < E; ++e) {
+        const int64_t n = counts[e];
+        if (!n) continue;
+        std::vector<float> xs((size_t)n * H), gu((size_t)n * 2 * I), act((size_t)n * I);
+        for (int64_t r = 0; r < n; ++r)
+          std::memcpy(xs.data() + r * H, x.data() + token[start[e] + r] * H, sizeof(float) * H);
+        for (int p = 0; p < 2; ++p) {
+          const int N = p ? H : 2 * I, K = p ? I : H, i = 2 * e + p;
+          const float* src = p ? act.data() : xs.data();
+          float* out = p ? want.data() + start[e] * H : gu.data();
+          if (mode == 0) {
+            W8GArgs a{src, n, K, N, w8[i].data(), sc[i].data(), ws[i].data(), G, m128[i] != 0, out};
+            kt->gemm_w8g_a8(a);
+          } else {
+            WLowArgs a{src, n, K, N, lo[i].data(), bits == 6 ? hi[i].data() : nullptr, sc[i].data(),
+                       mode == 1 ? off[i].data() : nullptr, G, bits, out, ws16[i].data()};
+            kt->gemm_wlow_a8(a);
+          }
+          if (!p) kt->silu_and_mul(gu.data(), act.data(), kF32, n, I);
+        }
+      }
+      std::vector<const void*> pw[2], pws[2];
+      std::vector<const uint8_t*> phi[2];
+      std::vector<const float*> psc[2], poff[2];
+      std::vector<uint8_t> pm[2];
+      MoeQProj proj[2];
+      for (int p = 0; p < 2; ++p) {
+        pw[p].assign(E, nullptr), pws[p].assign(E, nullptr), phi[p].assign(E, nullptr);
+        psc[p].assign(E, nullptr), poff[p].assign(E, nullptr), pm[p].assign(E, 0);
+        for (int e = 0; e < E; ++e) {
+          if (!counts[e]) continue;
+          const int i = 2 * e + p;
+          pw[p][e] = mode ? (const void*)lo[i].data() : (const void*)w8[i].data();
+          pws[p][e] = mode ? (const void*)ws16[i].data() : (const void*)ws[i].data();
+          phi[p][e] = mode == 2 ? hi[i].data() : nullptr;
+          psc[p][e] = sc[i].data();
+          poff[p][e] = mode == 1 ? off[i].data() : nullptr;
+          pm[p][e] = m128[i];
+        }
+        proj[p] = MoeQProj{mode ? 1 : 0, G, mode ? bits : 0, pw[p].data(), phi[p].data(), psc[p].data(),
+                           pws[p].data(), pm[p].data(), poff[p].data()};
+      }
+      std::vector<float> gu_out((size_t)R * 2 * I, -1.f), y((size_t)R * H, -1.f);
+      MoeQArgs a{x.data(), T, H, I, E, start, token.data(), proj[0], proj[1], gu_out.data(), y.data()};
+      kt->moe_q(a);
+      double err = 0;
+      bool ok = true;
+      for (size_t j = 0; j < y.size(); ++j) {
+        ok = ok && y[j] == want[j];
+        err = std::max(err, (double)std::fabs(y[j] - want[j]));
+      }
+      static const char* names[] = {"W8G (q = -128 included)", "4-bit with offsets", "6-bit"};
+      report(ok, kt->name, std::string("moe_q E=5 rows 3,0,1,9,4 H=96 I=64 G=32 ") + names[mode] +
+                               " == the per-expert calls", err);
+    }
+  }
+}
+
 // The panel GEMMs over the shapes of issue 19: decode rows (1), partial, whole and several row blocks
 // (3, 8, 17, 64), K of a small layer, the default model's hidden size, and not a multiple of the
 // unrolls (1000, 1001: odd, a padded last pair), N with a partial last panel (100). Against a double
@@ -1248,6 +1376,7 @@ int main(int argc, char** argv) {
     check_wlow_kquant(variants);
     check_sgemm(variants);
     check_moe(variants);
+    check_moe_q(variants);
     check_gemm_grid(variants);
     check_argmax(variants);
   }

@@ -139,6 +139,40 @@ struct MoeF32Args {
   float* y;                 // [R, H]
 };
 
+// Every touched expert of one mixture-of-experts layer with quantized weights (moe_q): one
+// projection's experts, all in one layout. kind 0: W8GArgs' (w: int8 tiles, wsum: fp32 group sums,
+// m128: per expert, some q == -128); kind 1: WLowArgs' without offsets or K-quant scales (w: the
+// nibble plane lo, hi: the 2-bit plane for 6 bits or null, wsum: int16 group sums, offset: the
+// per-group offsets against the float activations' group sums, as gemm_wlow_a8's). Pointers are per
+// expert, null for an expert with no rows.
+struct MoeQProj {
+  int kind;                    // 0: W8G, 1: low-bit
+  int group;                   // G: a multiple of 16, at most 256, dividing K
+  int bits;                    // kind 1: 4 or 6
+  const void* const* w;        // [E]
+  const uint8_t* const* hi;    // [E] (kind 1, 6 bits)
+  const float* const* scale;   // [E] [ceil(N/16)][K/G][16]
+  const void* const* wsum;     // [E] [ceil(N/16)][K/G][16]: fp32 (kind 0) or int16 (kind 1)
+  const uint8_t* m128;         // [E] (kind 0)
+  const float* const* offset;  // [E] (kind 1) [ceil(N/16)][K/G][16] per-group offsets, or null entries
+};
+
+// moe_q: as moe_f32 over quantized experts. Each token's row of x is quantized once (per token,
+// asymmetric int8, as gemm_w8g_a8 does) and its bytes copied to the rows of the experts it chose;
+// gate_up (gu: 2I rows) writes gu_out [R, 2I] fp32; silu(gate) * up of a row is quantized once into
+// down's activations; down (dn: H rows) writes y [R, H]. Work items of a pass are (touched expert,
+// 16-row tile) pairs over all threads, each running the expert's rows through the same work items as
+// gemm_w8g_a8 / gemm_wlow_a8 (so a row's result equals the per-expert call's).
+struct MoeQArgs {
+  const float* x;              // [T, H] the step's tokens, contiguous
+  int64_t T, H, I, E;
+  const int64_t* start;        // [E + 1] grouped row offsets, start[E] = R
+  const int64_t* token;        // [R] the token of grouped row r
+  MoeQProj gu, dn;
+  float* gu_out;               // [R, 2I] scratch
+  float* y;                    // [R, H]
+};
+
 struct KernelTable {
   const char* name;
   // Causal paged attention (optionally windowed, soft-capped), semantics of
@@ -206,6 +240,8 @@ struct KernelTable {
   void (*gemm_wlow_a8)(const WLowArgs& a);
   // One mixture-of-experts layer's experts in fp32 (see MoeF32Args).
   void (*moe_f32)(const MoeF32Args& a);
+  // One mixture-of-experts layer's quantized experts (see MoeQArgs).
+  void (*moe_q)(const MoeQArgs& a);
 };
 
 // Output columns per prepacked panel of gemm_f32 (the layout is the same for every variant).

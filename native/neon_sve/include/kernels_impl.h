@@ -1312,6 +1312,236 @@ static void moe_f32(const MoeF32Args& a) {
   }
 }
 
+// ------------------------------------------------------------------ mixture-of-experts layer, quantized
+//
+// moe_q (MoeQArgs in appliance_kernels.h): the W8A8 / low-bit work items of gemm_w8g_a8 and
+// gemm_wlow_a8 over every touched expert in one parallel region, in three phases split by barriers:
+// (1) each token quantized once and copied to its grouped rows, then gate_up's (expert, tile) items;
+// (2) per row silu(gate) * up (silu_and_mul's arithmetic) quantized once for down; (3) down's items.
+// An expert's rows run in the blocks its own gemm call would use (8 rows for W8G and the portable
+// low-bit item, the x86 low-bit item's token blocks), so each row's result is the per-expert call's.
+
+// The activation byte bias a projection's work items take (see W8GBlock / WLowBlock).
+static int moe_q_bias(const MoeQProj& p) {
+#ifdef AK_WLOW_FAST
+  if (p.kind == 1) return 0;
+#endif
+  return w8g_act_bias();
+}
+
+// Row r of src (K values) quantized: q (K bytes), corr, sx; and, for the low-bit items, the float
+// group sums of src (xs) and (x86) the int8 group sums of q (xsum), K / G values each.
+static void moe_q_quant(const float* src, int64_t K, const MoeQProj& p, uint8_t* q, float* corr, float* sx,
+                        int32_t* xsum, float* xs) {
+  w8g_quant_row(src, K, moe_q_bias(p), q, corr, sx);
+  if (p.kind == 1)  // the float group sums the offsets meet (as gemm_wlow_a8's, in order)
+    for (int64_t g = 0; g < K / p.group; ++g) {
+      float sum = 0.f;
+      for (int64_t k = g * p.group; k < (g + 1) * p.group; ++k) sum += src[k];
+      xs[g] = sum;
+    }
+#ifdef AK_WLOW_FAST
+  if (p.kind == 1) {
+    const int8_t* xr = reinterpret_cast<const int8_t*>(q);
+    for (int64_t g = 0; g < K / p.group; ++g) {
+      int32_t sum = 0;
+      for (int64_t k = g * p.group; k < (g + 1) * p.group; ++k) sum += xr[k];
+      xsum[g] = sum;
+    }
+  }
+#else
+  (void)xsum;
+#endif
+}
+
+// Scratch of one thread for the low-bit items.
+struct MoeQScratch {
+  FloatBuf acc, tmp, wsum;
+  ByteBuf q, xb;
+  explicit MoeQScratch(int64_t rows)
+      : acc((size_t)(std::max<int64_t>(rows, kW8GTokens) * 16)), tmp(16 * kW8GTokens), wsum((size_t)kWLowChunk),
+        q((size_t)(kWLowChunk * 16)), xb((size_t)(kWLowChunk * kW8GTokens)) {}
+};
+
+// Tile `tile` of expert e's projection p (K inputs, N outputs) over grouped rows [r0, r0 + n) of
+// the quantized activations xq [R, K] (corr, sx, xsum per row): out [R, N] (row stride N).
+static void moe_q_tile(const MoeQProj& p, int64_t e, int64_t tile, int64_t K, int64_t N, const uint8_t* xq,
+                       const float* corr, const float* sx, const int32_t* xsum, const float* xs, int64_t r0,
+                       int64_t n, float* out, MoeQScratch& s) {
+  const int64_t G = p.group, groups = K / G;
+  const int rows = (int)std::min<int64_t>(16, N - tile * 16);
+  if (p.kind == 0) {
+    const int bias = moe_q_bias(p);
+    for (int64_t m0 = r0; m0 < r0 + n; m0 += kW8GTokens) {
+      W8GBlock b;
+      b.x = xq + m0 * K;
+      b.K = K;
+      b.T = (int)std::min<int64_t>(kW8GTokens, r0 + n - m0);
+      b.corr = corr + m0;
+      b.sx = sx + m0;
+      b.w = static_cast<const int8_t*>(p.w[e]) + tile * 16 * K;
+      b.scale = p.scale[e] + tile * groups * 16;
+      b.wsum = static_cast<const float*>(p.wsum[e]) + tile * groups * 16;
+      b.G = (int)G;
+      b.out = out + m0 * N + tile * 16;
+      b.ldo = N;
+      b.rows = rows;
+      b.has_m128 = p.m128[e] != 0;
+      if (!w8g_block_fast(b)) w8g_block_scalar(b, bias);
+    }
+    return;
+  }
+  const uint8_t* lo = static_cast<const uint8_t*>(p.w[e]) + tile * 8 * K;
+  const uint8_t* hi = p.hi[e] ? p.hi[e] + tile * 4 * K : nullptr;
+  const float* scale = p.scale[e] + tile * groups * 16;
+  const int16_t* ws = static_cast<const int16_t*>(p.wsum[e]) + tile * groups * 16;
+  const float* off = p.offset[e] ? p.offset[e] + tile * groups * 16 : nullptr;
+  // as gemm_wlow_a8's finish without K-quant scales: s * acc, plus the offsets' term
+  auto finish = [&](int64_t m, const float* ac, float sc) {
+    float y[16];
+    for (int r = 0; r < 16; ++r) y[r] = sc * ac[r];
+    if (off) {
+      const float* xg = xs + m * groups;
+      for (int64_t g = 0; g < groups; ++g)
+        for (int r = 0; r < 16; ++r) y[r] += off[g * 16 + r] * xg[g];
+    }
+    float* o = out + m * N + tile * 16;
+    for (int r = 0; r < rows; ++r) o[r] = y[r];
+  };
+  const int64_t chunk = std::max<int64_t>(G, kWLowChunk / G * G);
+#ifdef AK_WLOW_FAST
+  // gemm_wlow_a8's token blocks for these rows
+  const int64_t mb = std::min<int64_t>(n, std::max<int64_t>(16, kWLowBlockBytes / K / 4 * 4));
+  for (int64_t m0 = r0; m0 < r0 + n; m0 += mb) {
+    const int64_t T = std::min(mb, r0 + n - m0);
+    float* acc = s.acc.data();
+    for (int64_t j = 0; j < T * 16; ++j) acc[j] = 0.f;
+    for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+      WLowBlock b;
+      b.lo = lo;
+      b.hi = hi;
+      b.k0 = k0;
+      b.kc = std::min(chunk, K - k0);
+      b.G = (int)G;
+      b.bits = p.bits;
+      b.x = reinterpret_cast<const int8_t*>(xq) + m0 * K + k0;
+      b.ldx = K;
+      b.T = (int)T;
+      b.xsum = xsum + m0 * groups + k0 / G;
+      b.ldg = groups;
+      b.zp = corr + m0;
+      b.scale = scale + k0 / G * 16;
+      b.wsum = ws + k0 / G * 16;
+      b.acc = acc;
+      wlow_block_fast(b);
+    }
+    for (int64_t t = 0; t < T; ++t) finish(m0 + t, acc + t * 16, sx[m0 + t]);
+  }
+#else
+  (void)xsum;
+  const int bias = moe_q_bias(p);
+  int8_t* q = reinterpret_cast<int8_t*>(s.q.data());
+  for (int64_t m0 = r0; m0 < r0 + n; m0 += kW8GTokens) {
+    const int T = (int)std::min<int64_t>(kW8GTokens, r0 + n - m0);
+    float* acc = s.acc.data();
+    for (int j = 0; j < 16 * T; ++j) acc[j] = 0.f;
+    for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+      const int64_t kc = std::min(chunk, K - k0);
+      wlow_unpack(lo, hi, p.bits, k0, kc, q);
+      for (int64_t j = 0; j < kc / G * 16; ++j) s.wsum.data()[j] = (float)ws[k0 / G * 16 + j];
+      W8GBlock b;
+      if (T == 1) {
+        b.x = xq + m0 * K + k0;
+      } else {
+        for (int t = 0; t < T; ++t) std::memcpy(s.xb.data() + t * kc, xq + (m0 + t) * K + k0, (size_t)kc);
+        b.x = s.xb.data();
+      }
+      b.K = kc;
+      b.T = T;
+      b.corr = corr + m0;
+      b.sx = sx + m0;
+      b.w = q;
+      b.scale = scale + k0 / G * 16;
+      b.wsum = s.wsum.data();
+      b.G = (int)G;
+      b.out = s.tmp.data();
+      b.ldo = 16;
+      b.rows = 16;
+      b.has_m128 = false;  // |q| <= 32
+      if (!w8g_block_fast(b)) w8g_block_scalar(b, bias);
+      for (int j = 0; j < 16 * T; ++j) acc[j] += s.tmp.data()[j];
+    }
+    for (int t = 0; t < T; ++t) finish(m0 + t, acc + t * 16, 1.f);  // tmp held sx already
+  }
+#endif
+}
+
+static void moe_q(const MoeQArgs& a) {
+  const int64_t H = a.H, I = a.I, E = a.E, T = a.T, R = a.start[E];
+  if (!R) return;
+  std::vector<int64_t> touched;
+  int64_t max_rows = 0;
+  for (int64_t e = 0; e < E; ++e)
+    if (a.start[e + 1] > a.start[e]) {
+      touched.push_back(e);
+      max_rows = std::max(max_rows, a.start[e + 1] - a.start[e]);
+    }
+  const int64_t nt = (int64_t)touched.size();
+  const int64_t ggu = H / a.gu.group, gdn = I / a.dn.group;
+  // per token (x's rows), then per grouped row: quantized bytes, corr, sx, int8 group sums
+  ByteBuf xt((size_t)(T * H)), xr((size_t)(R * H)), ar((size_t)(R * I));
+  FloatBuf ct((size_t)T), st((size_t)T), cr((size_t)R), sr((size_t)R), ca((size_t)R), sa((size_t)R);
+  ByteBuf gt((size_t)(T * ggu) * 4), gr((size_t)(R * ggu) * 4), ga((size_t)(R * gdn) * 4);
+  FloatBuf ft((size_t)(T * ggu)), fr((size_t)(R * ggu)), fa((size_t)(R * gdn));
+  int32_t* xsum_t = reinterpret_cast<int32_t*>(gt.data());
+  int32_t* xsum_r = reinterpret_cast<int32_t*>(gr.data());
+  int32_t* xsum_a = reinterpret_cast<int32_t*>(ga.data());
+  const int64_t tgu = (2 * I + 15) / 16, tdn = (H + 15) / 16;
+#pragma omp parallel if (R * H * I > (1 << 15))
+  {
+    MoeQScratch scratch(max_rows);
+    FloatBuf row((size_t)(3 * I));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t)
+      moe_q_quant(a.x + t * H, H, a.gu, xt.data() + t * H, ct.data() + t, st.data() + t, xsum_t + t * ggu,
+                  ft.data() + t * ggu);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t t = a.token[r];
+      std::memcpy(xr.data() + r * H, xt.data() + t * H, (size_t)H);
+      std::memcpy(xsum_r + r * ggu, xsum_t + t * ggu, (size_t)ggu * 4);
+      std::memcpy(fr.data() + r * ggu, ft.data() + t * ggu, (size_t)ggu * 4);
+      cr.data()[r] = ct.data()[t];
+      sr.data()[r] = st.data()[t];
+    }
+    // gate_up: (touched expert, tile) items; a thread's static share is a run of one expert's tiles
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < nt * tgu; ++w) {
+      const int64_t e = touched[w / tgu];
+      moe_q_tile(a.gu, e, w % tgu, H, 2 * I, xr.data(), cr.data(), sr.data(), xsum_r, fr.data(), a.start[e],
+                 a.start[e + 1] - a.start[e], a.gu_out, scratch);
+    }
+    // silu(gate) * up (as silu_and_mul in fp32), quantized once for down
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < R; ++r) {
+      const float* g = a.gu_out + r * 2 * I;
+      float* ex = row.data();
+      float* act = ex + I;
+      for (int64_t i = 0; i < I; ++i) ex[i] = -g[i];
+      exp_vec(ex, I);
+      for (int64_t i = 0; i < I; ++i) act[i] = (g[i] / (1.f + ex[i])) * g[I + i];
+      moe_q_quant(act, I, a.dn, ar.data() + r * I, ca.data() + r, sa.data() + r, xsum_a + r * gdn,
+                  fa.data() + r * gdn);
+    }
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < nt * tdn; ++w) {
+      const int64_t e = touched[w / tdn];
+      moe_q_tile(a.dn, e, w % tdn, I, H, ar.data(), ca.data(), sa.data(), xsum_a, fa.data(), a.start[e],
+                 a.start[e + 1] - a.start[e], a.y, scratch);
+    }
+  }
+}
+
 // ------------------------------------------------------------------ bf16-weight GEMM, prepacked panels
 //
 // gemm_bf16 (layout in appliance_kernels.h): gemm_f32's work split and prefetch over bf16 panels
@@ -1459,4 +1689,5 @@ static const KernelTable kTable = {
     impl::reshape_and_cache_quant,
     impl::gemm_wlow_a8,
     impl::moe_f32,
+    impl::moe_q,
 };
