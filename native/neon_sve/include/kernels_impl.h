@@ -908,6 +908,38 @@ static void wlow_unpack(const uint8_t* lo, const uint8_t* hi, int bits, int64_t 
 }
 #endif
 
+// Per-row pieces of the low-bit epilogue, shared by gemm_wlow_a8 and moe_q (whose rows must equal
+// the per-expert gemm calls bit for bit): the float group sums the offsets meet, the int8 group sums
+// of the quantized row (x86 items), and the offsets' term y[r] += sum_g off[g][r] * xs[g].
+static inline void wlow_float_group_sums(const float* x, int64_t K, int64_t G, float* xs) {
+  for (int64_t g = 0; g < K / G; ++g) {
+    float sum = 0.f;
+    const float* xg = x + g * G;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t k = 0; k < G; ++k) sum += xg[k];
+    xs[g] = sum;
+  }
+}
+static inline void wlow_int_group_sums(const int8_t* xr, int64_t K, int64_t G, int32_t* xsum) {
+  for (int64_t g = 0; g < K / G; ++g) {
+    int32_t sum = 0;
+    for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += xr[k];
+    xsum[g] = sum;
+  }
+}
+static inline void wlow_add_offsets(const float* off, const float* xs, int64_t groups, float* y) {
+#ifdef AK_WLOW_OFFSET_DOT
+  wlow_offset_dot(off, xs, groups, y);
+#else
+  for (int64_t g = 0; g < groups; ++g) {  // a 16-lane vector FMA per group
+    const float xv = xs[g];
+    const float* og = off + g * 16;
+#pragma omp simd
+    for (int r = 0; r < 16; ++r) y[r] += og[r] * xv;
+  }
+#endif
+}
+
 static void gemm_wlow_a8(const WLowArgs& a) {
 #ifdef AK_WLOW_FAST
   const int bias = 0;  // wlow_block_fast takes int8 xq
@@ -929,21 +961,9 @@ static void gemm_wlow_a8(const WLowArgs& a) {
 #pragma omp parallel for schedule(static) if (M * K > (1 << 15))
   for (int64_t m = 0; m < M; ++m) {
     w8g_quant_row(a.x + m * K, K, bias, xq.data() + m * K, corr.data() + m, sx.data() + m);
-    if (has_off)
-      for (int64_t g = 0; g < groups; ++g) {
-        float sum = 0.f;
-        const float* xg = a.x + m * K + g * G;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t k = 0; k < G; ++k) sum += xg[k];
-        xs.data()[m * groups + g] = sum;
-      }
+    if (has_off) wlow_float_group_sums(a.x + m * K, K, G, xs.data() + m * groups);
 #ifdef AK_WLOW_FAST
-    const int8_t* xr = reinterpret_cast<const int8_t*>(xq.data() + m * K);
-    for (int64_t g = 0; g < groups; ++g) {
-      int32_t sum = 0;
-      for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += xr[k];
-      xsum[m * groups + g] = sum;
-    }
+    wlow_int_group_sums(reinterpret_cast<const int8_t*>(xq.data() + m * K), K, G, xsum + m * groups);
 #endif
   }
   // whole groups per chunk
@@ -1004,19 +1024,7 @@ static void gemm_wlow_a8(const WLowArgs& a) {
       for (int r = 0; r < 16; ++r) y[r] -= cz * rs[r];
     }
     const float* off = kq ? koff : (a.offset ? a.offset + tile * groups * 16 : nullptr);
-    if (off) {  // y[r] += sum_g off[g][r] * xs[g]
-      const float* xg = xs.data() + m * groups;
-#ifdef AK_WLOW_OFFSET_DOT
-      wlow_offset_dot(off, xg, groups, y);
-#else
-      for (int64_t g = 0; g < groups; ++g) {  // a 16-lane vector FMA per group
-        const float xv = xg[g];
-        const float* og = off + g * 16;
-#pragma omp simd
-        for (int r = 0; r < 16; ++r) y[r] += og[r] * xv;
-      }
-#endif
-    }
+    if (off) wlow_add_offsets(off, xs.data() + m * groups, groups, y);
     for (int r = 0; r < rows; ++r) o[r] = y[r];
   };
 #ifdef AK_WLOW_FAST
@@ -1334,21 +1342,9 @@ static int moe_q_bias(const MoeQProj& p) {
 static void moe_q_quant(const float* src, int64_t K, const MoeQProj& p, uint8_t* q, float* corr, float* sx,
                         int32_t* xsum, float* xs) {
   w8g_quant_row(src, K, moe_q_bias(p), q, corr, sx);
-  if (p.kind == 1)  // the float group sums the offsets meet (as gemm_wlow_a8's, in order)
-    for (int64_t g = 0; g < K / p.group; ++g) {
-      float sum = 0.f;
-      for (int64_t k = g * p.group; k < (g + 1) * p.group; ++k) sum += src[k];
-      xs[g] = sum;
-    }
+  if (p.kind == 1) wlow_float_group_sums(src, K, p.group, xs);  // the float group sums the offsets meet
 #ifdef AK_WLOW_FAST
-  if (p.kind == 1) {
-    const int8_t* xr = reinterpret_cast<const int8_t*>(q);
-    for (int64_t g = 0; g < K / p.group; ++g) {
-      int32_t sum = 0;
-      for (int64_t k = g * p.group; k < (g + 1) * p.group; ++k) sum += xr[k];
-      xsum[g] = sum;
-    }
-  }
+  if (p.kind == 1) wlow_int_group_sums(reinterpret_cast<const int8_t*>(q), K, p.group, xsum);
 #else
   (void)xsum;
 #endif
@@ -1400,11 +1396,7 @@ static void moe_q_tile(const MoeQProj& p, int64_t e, int64_t tile, int64_t K, in
   auto finish = [&](int64_t m, const float* ac, float sc) {
     float y[16];
     for (int r = 0; r < 16; ++r) y[r] = sc * ac[r];
-    if (off) {
-      const float* xg = xs + m * groups;
-      for (int64_t g = 0; g < groups; ++g)
-        for (int r = 0; r < 16; ++r) y[r] += off[g * 16 + r] * xg[g];
-    }
+    if (off) wlow_add_offsets(off, xs + m * groups, groups, y);
     float* o = out + m * N + tile * 16;
     for (int r = 0; r < rows; ++r) o[r] = y[r];
   };
