@@ -830,7 +830,8 @@ torch::Tensor moe_experts(const torch::Tensor& x_in, const torch::Tensor& ids_in
     for (int64_t f = 0; f < R; ++f) o[pos[id[f]]++] = f;
   }
   const auto token_of = torch::div(order, k, "floor");
-  const auto rows = x.index_select(0, token_of);  // [R, H], each expert's rows contiguous
+  // [R, H], each expert's rows contiguous: the float paths' input (moe_q gathers quantized bytes itself)
+  auto gathered_rows = [&] { return x.index_select(0, token_of); };
   auto lin_of = [&](int64_t e, int which) { return &experts[(size_t)(2 * e + which) * kLinearEntries]; };
   auto ki_of = [&](int64_t e, int which) { return &kinds[(size_t)(2 * e + which) * kLinearInts]; };
   bool all_f32 = !per_expert && x.scalar_type() == torch::kFloat32 && intermediate % (ak::kSgemmPanel / 2) == 0;
@@ -954,6 +955,7 @@ torch::Tensor moe_experts(const torch::Tensor& x_in, const torch::Tensor& ids_in
     auto act = torch::empty({R, intermediate}, x.options());
     y = torch::empty({R, H}, x.options());
     ak::MoeF32Args a{};
+    const auto rows = gathered_rows();
     a.xg = rows.data_ptr<float>();
     a.H = H;
     a.I = intermediate;
@@ -966,6 +968,7 @@ torch::Tensor moe_experts(const torch::Tensor& x_in, const torch::Tensor& ids_in
     K()->moe_f32(a);
   } else {
     y = torch::empty({R, H}, x.options());
+    const auto rows = gathered_rows();
     for (int64_t e = 0; e < E; ++e) {
       const int64_t n = start[e + 1] - start[e];
       if (!n) continue;
