@@ -291,7 +291,7 @@ def test_sigterm_drains_both_replicas(dp2):
     for _ in range(2):
         events: list = []
         started = threading.Event()
-        runs.append((events, long_stream_in_thread(base, 60, events, started), started))
+        runs.append((events, long_stream_in_thread(base, 600, events, started), started))
         assert started.wait(60), dp2.output()
     wait_running_on(base, {"0": 1, "1": 1})  # one on each replica
     dp2.proc.send_signal(signal.SIGTERM)
