@@ -163,7 +163,7 @@ def test_sigterm_finishes_in_flight_and_exits_0(start_server, slow_model_dir):
     srv = start_server(slow_model_dir, *SLOW_FLAGS, "--shutdown-timeout", "300")
     events: list = []
     first = threading.Event()
-    t = _stream_in_thread(srv.base_url, long_chat(60), events, first)
+    t = _stream_in_thread(srv.base_url, long_chat(600), events, first)
     assert first.wait(60), srv.output()
     srv.proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
