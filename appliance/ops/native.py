@@ -574,9 +574,10 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
     ``LinearKind`` and 3 ints, from the linear methods' ``fused_descriptor``.
 
     Float32 native experts run in one parallel region (the kernels' ``moe_f32``), and so do quantized
-    ones on one W8A8 / low-bit kind per projection (``moe_q``: each token's activation quantized once,
-    (expert, tile) work items over the threads); others, or all with ``per_expert``, run each touched
-    expert's projections once on its rows (the reference the one-region paths are tested against)."""
+    ones on one W8A8 / low-bit kind per projection, GGUF K-quant scales included (``moe_q``: each
+    token's activation quantized once, (expert, tile) work items over the threads); others, or all with
+    ``per_expert``, run each touched expert's projections once on its rows (the reference the one-region
+    paths are tested against)."""
     return _require().moe_experts(x, ids, weights, experts, kinds, int(intermediate), bool(per_expert))
 
 

@@ -38,7 +38,9 @@ KERNEL_AND_LINEAR = ["tests/ops", "tests/quant/test_kernels.py", "tests/quant/te
                      "tests/model/test_moe.py::test_greedy_and_logits_match_transformers",
                      "tests/model/test_moe.py::test_quantized_moe_model_in_the_engine",
                      # quantized experts in one region (the kernels' moe_q) against the per-expert path
-                     "tests/model/test_moe.py::test_quantized_experts_one_region_gives_the_per_expert_tokens"]
+                     "tests/model/test_moe.py::test_quantized_experts_one_region_gives_the_per_expert_tokens",
+                     # a Q4_K_M-style MoE GGUF: K-quant experts in moe_q's one region, tokens as transformers'
+                     "tests/model/test_moe.py::test_moe_gguf_kquant_experts_run_in_one_region"]
 QUALITY = ["tests/quant/test_default_model_quality.py"]
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 

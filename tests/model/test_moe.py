@@ -536,11 +536,13 @@ def gguf_vocab():
             "token_type": reader.fields["tokenizer.ggml.token_type"].contents()[:GGUF_VOCAB]}
 
 
-def write_moe_gguf(hf_dir, path, vocab, expert_type: str | None = None):
+def write_moe_gguf(hf_dir, path, vocab, expert_type: str | dict | None = None):
     """The HF Qwen3-MoE / Qwen2-MoE / Mixtral model at ``hf_dir`` as llama.cpp's convert script writes it (names
     from its src/llama-arch.cpp: ffn_gate_inp router, ffn_{gate,up,down}_exps 3-D [experts, n, k],
     *_shexp shared expert), every tensor F32 but the expert tensors, which are ``expert_type``
-    (e.g. Q4_0) when given. Returns {GGUF name: the float32 values the file holds}."""
+    (e.g. Q4_0) when given: one type, or per projection {"gate" | "up" | "down" or (layer, one of
+    those): type}. K-quants (which gguf cannot quantize) are random blocks (gguf_files.random_blocks,
+    weights ~0.03) in place of the model's values. Returns {GGUF name: the float32 values the file holds}."""
     import gguf
     import numpy as np
 
@@ -590,13 +592,21 @@ def write_moe_gguf(hf_dir, path, vocab, expert_type: str | None = None):
     to_gguf = {f"model.layers.{{}}.{v}": k for k, v in gguf_loader._LAYER_TENSORS.items()}
     written = {}
 
+    rng = np.random.default_rng(0)
+
     def add(name, value, qtype=None):
         if qtype is None:
             w.add_tensor(name, value)
             written[name] = value
         else:
             t = gguf.GGMLQuantizationType[qtype]
-            blocks = gguf.quants.quantize(value, t)
+            if qtype.endswith("_K"):
+                from gguf_files import random_blocks
+
+                rows = int(np.prod(value.shape[:-1]))
+                blocks = random_blocks(qtype, rows, value.shape[-1], rng).reshape(*value.shape[:-1], -1)
+            else:
+                blocks = gguf.quants.quantize(value, t)
             w.add_tensor(name, blocks, raw_dtype=t)
             written[name] = gguf.quants.dequantize(blocks, t).reshape(value.shape)
 
@@ -608,7 +618,10 @@ def write_moe_gguf(hf_dir, path, vocab, expert_type: str | None = None):
         for proj, gname in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
             names = [f"model.layers.{i}.mlp.experts.{e}.{proj}.weight" for e in range(n_exp)]
             if names[0] in hf:
-                add(f"blk.{i}.{gname}.weight", np.stack([hf.pop(n) for n in names]), expert_type)
+                short = proj.split("_")[0]
+                qtype = (expert_type.get((i, short), expert_type.get(short)) if isinstance(expert_type, dict)
+                         else expert_type)
+                add(f"blk.{i}.{gname}.weight", np.stack([hf.pop(n) for n in names]), qtype)
     for name, value in hf.items():
         i = name.split(".")[2]
         key = name.replace(f"model.layers.{i}.", "model.layers.{}.")
@@ -693,3 +706,51 @@ def test_moe_gguf_quantized_experts_load_as_they_are(tiny_model_dir, tmp_path, g
             want = hf(torch.tensor([p])).logits[0, -1].float()
         got = engine_logits(llm, p)
         assert (got - want).abs().max() <= 0.04 * want.abs().max(), (got - want).abs().max() / want.abs().max()
+
+
+@pytest.mark.skipif(not native_available(), reason="needs the native kernels (python -m appliance.ops.native --build)")
+def test_moe_gguf_kquant_experts_run_in_one_region(tiny_model_dir, tmp_path, gguf_vocab, monkeypatch):
+    """A Qwen3-MoE GGUF whose experts are K-quants as a Q4_K_M file holds them (ffn_gate/up_exps Q4_K;
+    ffn_down_exps Q6_K in layer 0, Q4_K in layer 1): every expert keeps its K-quant scales, the layers run
+    in moe_q's one region (its counter moves), and the engine's greedy tokens equal transformers' model
+    holding the file's dequantized weights (its logits within the A8 activations' error, as
+    test_moe_gguf_quantized_experts_load_as_they_are); the per-expert path gives the same tokens and
+    logits (1e-5 of their scale)."""
+    src = tiny_model_dir("qwen3_moe", vocab_size=GGUF_VOCAB, hidden_size=256, moe_intermediate_size=256)
+    path = tmp_path / "q4_k_m.gguf"
+    written = write_moe_gguf(src, path, gguf_vocab,
+                             expert_type={"gate": "Q4_K", "up": "Q4_K", (0, "down"): "Q6_K", (1, "down"): "Q4_K"})
+    llm = LLM(str(path), dtype="float32", quantization="gguf", num_kv_blocks=128)
+    layers = _sparse_layers(llm.engine.runner.model)
+    for b, down in zip(layers, ("w6a8_native", "w4a8_native")):
+        for m in b.experts:
+            assert m.gate_up_proj.backend == "w4a8_native" and m.down_proj.backend == down
+            assert "kf" in m.gate_up_proj.packed and "kf" in m.down_proj.packed
+    hf = _hf(src)
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            g, u, d = (torch.from_numpy(written[f"blk.{i}.ffn_{p}_exps.weight"]) for p in ("gate", "up", "down"))
+            layer.mlp.experts.gate_up_proj.copy_(torch.cat([g, u], dim=1))
+            layer.mlp.experts.down_proj.copy_(d)
+    rng = random.Random(3)
+    ids = [[rng.randrange(3, GGUF_VOCAB) for _ in range(n)] for n in (5, 23, 1, 40)]
+
+    def run():
+        toks = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)]
+        return toks, [engine_logits(llm, p) for p in ids]
+
+    before = native_ops.moe_q_calls()
+    toks, logits = run()
+    assert native_ops.moe_q_calls() > before
+    assert toks == hf_greedy(hf, ids, MAX_NEW)
+    for p, got in zip(ids, logits):
+        with torch.no_grad():
+            want = hf(torch.tensor([p])).logits[0, -1].float()
+        assert (got - want).abs().max() <= 0.04 * want.abs().max(), (got - want).abs().max() / want.abs().max()
+    monkeypatch.setattr(native_ops, "FUSED_LAYERS", False)
+    before = native_ops.moe_q_calls()
+    per_expert = run()
+    assert native_ops.moe_q_calls() == before
+    assert per_expert[0] == toks
+    for a, b in zip(logits, per_expert[1]):
+        torch.testing.assert_close(a, b, atol=1e-5 * b.abs().max().item(), rtol=0)

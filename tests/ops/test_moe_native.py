@@ -285,3 +285,150 @@ def test_mixed_expert_methods_fall_back_to_the_per_expert_loop(variant):
     assert native.moe_q_calls() == before
     want = _per_token_quant_reference(block, x, ids, w)
     torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=0)
+
+
+# ---------------------------------------------------------------- GGUF K-quant experts in one region (moe_q)
+#
+# Experts as a GGUF MoE file holds them (Qwen3-30B-A3B Q4_K_M: ffn_gate_exps / ffn_up_exps Q4_K,
+# ffn_down_exps Q6_K or Q4_K by layer) keep their K-quant scales (lowbit.pack_kquant: per super-block
+# d / dmin, int8 sub-scales / sub-mins, a row shift) and run in moe_q's one region like the fp32-group
+# low-bit experts: each row bit for bit the per-expert loop (gemm_wlow_kq_a8 on the expert's rows).
+
+KQ_HIDDEN, KQ_WIDTH = 256, 256  # the K-quant super-block (256) divides both projections' inputs
+# layout -> GGUF types of gate, up, down (a fused gate/up of two types is one 6-bit layer of groups of 16)
+KQ_LAYOUTS = {"q4_k_m": ("Q4_K", "Q4_K", "Q6_K"), "q4_k": ("Q4_K", "Q4_K", "Q4_K"),
+              "q6_k": ("Q6_K", "Q6_K", "Q6_K"), "q5_k_down": ("Q4_K", "Q4_K", "Q5_K"),
+              "gate_q4_k_up_q6_k": ("Q4_K", "Q6_K", "Q4_K")}
+
+
+def _kq_blocks(qtype: str, n: int, k: int, rng, worst: float | None = None):
+    """Random blocks of ``qtype`` (gguf_files.random_blocks: weights ~0.03); ``worst``: every weight at an
+    end of its range (rows alternate which), every sub-scale / sub-min at its largest (Q6_K: int8 127 / -128
+    by row), d (and dmin) ``worst`` (an fp16 value)."""
+    import numpy as np
+
+    from gguf_files import random_blocks
+
+    from appliance.models.gguf_quants import KEPT
+
+    raw = random_blocks(qtype, n, k, rng)
+    if worst is None:
+        return raw
+    bt = KEPT[qtype]
+    raw = raw.reshape(n, -1, bt.type_size)
+    d = np.array([worst], dtype=np.float16).view(np.uint8)
+    odd = (np.arange(n) % 2 == 1)[:, None]
+    if qtype == "Q4_K":
+        raw[..., 0:2] = d
+        raw[..., 2:4] = d
+        raw[..., 4:16] = 0xFF  # every sc and mn 63
+        raw[..., 16:144] = np.where(odd, 0xFF, 0x00)[..., None]  # u all 15 or all 0
+    else:
+        assert qtype == "Q6_K"
+        raw[..., 208:210] = d
+        raw[..., 192:208] = np.where(odd, 127, -128).astype(np.int8).view(np.uint8)[..., None]
+        raw[..., 0:192] = np.where(odd, 0xFF, 0x00)[..., None]  # u all 63 or all 0
+    return raw.reshape(n, -1)
+
+
+def _kq_linear(types: dict, k: int, rng, worst: float | None = None):
+    """A QuantLinear of shards ``types`` ({shard: (GGUF type, rows)}) loaded from random blocks as the
+    GGUF loader loads them, packed on the method that keeps its K-quant scales."""
+    from appliance.layers.quant import QuantLinear
+    from appliance.layers.weight_loading import QuantizedWeight, load_quant_linear
+    from appliance.models.gguf_quants import canonical
+
+    shards, o = {}, 0
+    for sid, (_, r) in types.items():
+        shards[sid], o = (o, r), o + r
+    cws = {sid: canonical(t, _kq_blocks(t, r, k, rng, worst), r, k) for sid, (t, r) in types.items()}
+    four = all(cw.scheme == "w4a8" for cw in cws.values())
+    one = len(types) == 1
+    lin = QuantLinear(k, o, "w4a8" if four else "w8a8", 32 if four else min(cw.group for cw in cws.values()),
+                      shards=None if one else shards, w8_groups=not four)
+    for sid, cw in cws.items():
+        load_quant_linear(lin, lin.qweight, QuantizedWeight(cw.qweight, cw.scale, cw.zero_point, cw.group, cw.scheme,
+                                                            cw.kquant), None if one else sid)
+    name = lin.preferred_backend()
+    assert name == ("w4a8_native" if four else "w6a8_native"), name
+    lin.set_backend(name)
+    assert "kf" in lin.packed
+    return lin
+
+
+def _kq_block(layout: str, seed=0, down_of=None, worst=None):
+    """A Qwen3-MoE block whose experts hold GGUF K-quant weights (``KQ_LAYOUTS[layout]``); down_of: {expert:
+    GGUF type} for down projections of another type; worst: (gate/up d, down d) for worst-case blocks."""
+    import numpy as np
+
+    block, _ = _block(width=KQ_WIDTH, seed=seed, hidden=KQ_HIDDEN)
+    rng = np.random.default_rng(seed)
+    g, u, d = KQ_LAYOUTS[layout]
+    for i, e in enumerate(block.experts):
+        e.gate_up_proj = _kq_linear({"gate": (g, KQ_WIDTH), "up": (u, KQ_WIDTH)}, KQ_HIDDEN, rng,
+                                    worst and worst[0])
+        e.down_proj = _kq_linear({None: ((down_of or {}).get(i, d), KQ_HIDDEN)}, KQ_WIDTH, rng, worst and worst[1])
+    return block
+
+
+def _kq_check(block, x, ids, w, one_region=True):
+    """moe_experts' result, asserted bit for bit the per-expert loop and (one_region) that moe_q ran."""
+    flat, kinds = native_plan(block.experts)
+    before = native.moe_q_calls()
+    got = native.moe_experts(x, ids, w, flat, kinds, KQ_WIDTH)
+    assert native.moe_q_calls() == before + one_region, "which path ran"
+    per_expert = native.moe_experts(x, ids, w, flat, kinds, KQ_WIDTH, per_expert=True)
+    assert native.moe_q_calls() == before + one_region
+    assert torch.equal(got, per_expert), (got - per_expert).abs().max()
+    return got
+
+
+@pytest.mark.parametrize("layout", list(KQ_LAYOUTS))
+@pytest.mark.parametrize("case,tokens", [("random", 1), ("random", 16), ("random", 40),
+                                         ("all_tokens_same_experts", 19), ("one_row_each", 11)])
+def test_kquant_experts_one_region_equal_per_expert(variant, layout, case, tokens):
+    block = _kq_block(layout)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, KQ_HIDDEN, generator=g)
+    ids = _routing(case, tokens, g)
+    w = torch.rand(tokens, TOP_K, generator=g)
+    got = _kq_check(block, x, ids, w)
+    # each expert's own QuantLinear token by token (gemm_wlow_kq_a8 at one row): the same integer products
+    want = _per_token_quant_reference(block, x, ids, w)
+    torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("worst", [(65504.0, 2.0 ** -24), (2.0 ** -24, 65504.0)], ids=["big_gate_up", "big_down"])
+def test_kquant_experts_worst_case(variant, worst):
+    """Q4_K gate/up and Q6_K down with every weight at an end of its range, the largest sub-scales and
+    mins, d / dmin at fp16's largest or smallest subnormal, and activations with outliers 1e4 times the
+    rest (a token of all zeros, a constant token, one coded 127 / -128 with nothing cancelling):
+    finite, bit for bit the per-expert loop, and per token the experts' own layers."""
+    block = _kq_block("q4_k_m", seed=3, worst=worst)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(12, KQ_HIDDEN, generator=g)
+    x[0, 5] = 1e4
+    x[1, 77] = -1e4
+    x[2] = 0.0
+    x[3] = 3.0
+    x[4] = torch.where(torch.arange(KQ_HIDDEN) % 2 == 1, -1.0, 0.99)
+    ids = _routing("random", 12, g)
+    w = torch.rand(12, TOP_K, generator=g)
+    got = _kq_check(block, x, ids, w)
+    assert torch.isfinite(got).all()
+    want = _per_token_quant_reference(block, x, ids, w)
+    for t in range(12):
+        torch.testing.assert_close(got[t], want[t], atol=1e-6 * want[t].abs().max().item() + 1e-30, rtol=0)
+
+
+def test_kquant_experts_of_mixed_types_fall_back(variant):
+    """Down projections of two K-quant types in one layer (expert 2's Q4_K among Q6_K) are not one
+    region: the per-expert loop runs them (the counter does not move), with the per-token result."""
+    block = _kq_block("q4_k_m", down_of={2: "Q4_K"})
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, KQ_HIDDEN, generator=g)
+    ids = _routing("all_tokens_same_experts", 9, g)  # expert 2 is touched
+    w = torch.rand(9, TOP_K, generator=g)
+    got = _kq_check(block, x, ids, w, one_region=False)
+    want = _per_token_quant_reference(block, x, ids, w)
+    torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=0)

@@ -786,8 +786,9 @@ torch::Tensor llama_layers(const torch::Tensor& embeds, const torch::Tensor& pos
 // fused_descriptor). The step's (token, slot) pairs are sorted by expert (stably, counting sort); when
 // every touched expert is native fp32 (gate/up packed for the silu epilogue, no biases) and x is
 // float32, the kernel table's moe_f32 runs them all in one parallel region; when every touched
-// expert's gate/up (and down) is one quantized kind (W8G, or low-bit with fp32 group scales) of one
-// group size, without bias (nor, for W8G, offsets), moe_q does (each token quantized once, (expert, tile) items
+// expert's gate/up (and down) is one quantized kind (W8G, or low-bit with fp32 group scales or with
+// a GGUF K-quant's own scales at one super-block size) of one group size, without bias (nor, for
+// W8G, offsets), moe_q does (each token quantized once, (expert, tile) items
 // over the threads); otherwise each touched expert's projections run once on its rows, through the
 // kinds as llama_layers applies them. Each
 // row's output is weighted in the weights' dtype, rounded to x's, and a token's k rows are added in
@@ -843,37 +844,71 @@ torch::Tensor moe_experts(const torch::Tensor& x_in, const torch::Tensor& ids_in
     }
   }
   // Quantized experts in one call (moe_q): per projection every touched expert on one kind (W8G, or
-  // low-bit with fp32 group scales) with one group size (and bit width), no bias, no offsets.
+  // low-bit with fp32 group scales or with a GGUF K-quant's own scales) with one group size (and bit
+  // width, and K-quant super-block), no bias, no W8G offsets.
   ak::MoeQProj qp[2] = {};
   std::vector<const void*> qw[2], qws[2];
   std::vector<const uint8_t*> qhi[2];
-  std::vector<const float*> qsc[2], qoff[2];
+  std::vector<const float*> qsc[2], qoff[2], qksup[2], qksupmin[2], qkrow[2];
+  std::vector<const int8_t*> qksub[2], qksubmin[2], qkshift[2];
   std::vector<uint8_t> qm128[2];
   bool all_q = !per_expert && !all_f32 && x.scalar_type() == torch::kFloat32 && R > 0;
   for (int which = 0; which < 2 && all_q; ++which) {
     const int64_t K = which ? intermediate : H, N = which ? H : 2 * intermediate, tiles = (N + 15) / 16;
-    int64_t kind = -1, group = 0, bits = 0;
-    qw[which].assign(E, nullptr);
-    qws[which].assign(E, nullptr);
+    const char* proj = which ? " down" : " gate/up";
+    int64_t kind = -1, group = 0, bits = 0, super = 0;
+    for (auto* v : {&qw[which], &qws[which]}) v->assign(E, nullptr);
+    for (auto* v : {&qsc[which], &qoff[which], &qksup[which], &qksupmin[which], &qkrow[which]}) v->assign(E, nullptr);
+    for (auto* v : {&qksub[which], &qksubmin[which], &qkshift[which]}) v->assign(E, nullptr);
     qhi[which].assign(E, nullptr);
-    qsc[which].assign(E, nullptr);
-    qoff[which].assign(E, nullptr);
     qm128[which].assign(E, 0);
     for (int64_t e = 0; e < E && all_q; ++e) {
       if (start[e + 1] == start[e]) continue;
       const int64_t* ki = ki_of(e, which);
       const torch::Tensor* lin = lin_of(e, which);
-      const bool w8 = ki[0] == kLinW8G, wl = ki[0] == kLinWLow && !ki[3];
-      if (!(w8 || wl) || lin[1].numel() || (w8 && lin[4].numel()) || (kind >= 0 && (ki[0] != kind || ki[1] != group ||
-                                                                           (wl && ki[2] != bits)))) {
+      const bool w8 = ki[0] == kLinW8G, wl = ki[0] == kLinWLow;
+      const int64_t esuper = wl ? (ki[3] & 0xFFFF) : 0;  // K-quant scales: ki[3] = super | flags << 16
+      if (!(w8 || wl) || lin[1].numel() || (w8 && lin[4].numel()) ||
+          (kind >= 0 && (ki[0] != kind || ki[1] != group || (wl && (ki[2] != bits || esuper != super))))) {
         all_q = false;
         break;
       }
-      kind = ki[0], group = ki[1], bits = wl ? ki[2] : 0;
+      kind = ki[0], group = ki[1], bits = wl ? ki[2] : 0, super = esuper;
       TORCH_CHECK(group % 16 == 0 && group > 0 && group <= 256 && K % group == 0 && K % 16 == 0, "moe_experts: expert ",
-                  e, (which ? " down" : " gate/up"), ": group must be a multiple of 16, <= 256, dividing K=", K,
-                  "; got ", group);
+                  e, proj, ": group must be a multiple of 16, <= 256, dividing K=", K, "; got ", group);
       const int64_t groups = K / group;
+      if (super) {  // as gemm_wlow_kq_a8 takes them: lo, hi (6 bits), kf, k8
+        const int64_t flags = ki[3] >> 16, supers = K / super;
+        TORCH_CHECK(super % group == 0 && K % super == 0, "moe_experts: expert ", e, proj,
+                    ": super must be a multiple of group dividing K=", K, "; got super ", super, " for group ", group);
+        TORCH_CHECK(flags >= 0 && flags < 4, "moe_experts: expert ", e, proj, ": flags must be in [0, 3]; got ", flags);
+        TORCH_CHECK(bits == 4 || bits == 6, "moe_experts: expert ", e, proj, ": bits must be 4 or 6; got ", bits);
+        const bool shifts = flags & 1, mins = flags & 2;
+        TORCH_CHECK(lin[0].scalar_type() == torch::kUInt8 && lin[0].is_contiguous() && lin[0].numel() == tiles * 8 * K,
+                    "moe_experts: expert ", e, proj, ": lo uint8 [", tiles, ", ", K / 8, ", 16, 4]");
+        TORCH_CHECK(lin[2].scalar_type() == torch::kUInt8 && lin[2].is_contiguous() &&
+                        lin[2].numel() == (bits == 6 ? tiles * 4 * K : 0),
+                    "moe_experts: expert ", e, proj, ": hi uint8 [", tiles, ", ", K / 16, ", 16, 4] (6 bits) or empty");
+        TORCH_CHECK(lin[3].scalar_type() == torch::kFloat32 && lin[3].is_contiguous() &&
+                        lin[3].numel() == tiles * 16 + (mins ? 2 : 1) * tiles * supers * 16,
+                    "moe_experts: expert ", e, proj, ": kf float32: krowsum [", tiles * 16, "], ksup [", tiles, ", ",
+                    supers, ", 16], then ksupmin of that shape (flags & 2); got ", lin[3].numel(), " values");
+        TORCH_CHECK(lin[4].scalar_type() == torch::kInt8 && lin[4].is_contiguous() &&
+                        lin[4].numel() == (shifts ? tiles * 16 : 0) + (mins ? 2 : 1) * tiles * groups * 16,
+                    "moe_experts: expert ", e, proj, ": k8 int8: kshift [", tiles * 16, "] (flags & 1), ksub [", tiles,
+                    ", ", groups, ", 16], then ksubmin of that shape (flags & 2); got ", lin[4].numel(), " values");
+        qw[which][e] = lin[0].data_ptr<uint8_t>();
+        qhi[which][e] = bits == 6 ? lin[2].data_ptr<uint8_t>() : nullptr;
+        const float* f = lin[3].data_ptr<float>();
+        qkrow[which][e] = f;
+        qksup[which][e] = f + tiles * 16;
+        qksupmin[which][e] = mins ? f + tiles * 16 + tiles * supers * 16 : nullptr;
+        const int8_t* b8 = lin[4].data_ptr<int8_t>();
+        qkshift[which][e] = shifts ? b8 : nullptr;
+        qksub[which][e] = shifts ? b8 + tiles * 16 : b8;
+        qksubmin[which][e] = mins ? qksub[which][e] + tiles * groups * 16 : nullptr;
+        continue;
+      }
       const torch::Tensor& sc = wl ? lin[3] : lin[2];
       TORCH_CHECK(sc.scalar_type() == torch::kFloat32 && sc.is_contiguous() && sc.numel() == tiles * groups * 16,
                   "moe_experts: expert ", e, " scale float32 [", tiles, ", ", groups, ", 16]");
@@ -915,6 +950,13 @@ torch::Tensor moe_experts(const torch::Tensor& x_in, const torch::Tensor& ids_in
     qp[which].wsum = qws[which].data();
     qp[which].m128 = qm128[which].data();
     qp[which].offset = qoff[which].data();
+    qp[which].ksuper = (int)super;
+    qp[which].ksub = qksub[which].data();
+    qp[which].ksubmin = qksubmin[which].data();
+    qp[which].ksup = qksup[which].data();
+    qp[which].ksupmin = qksupmin[which].data();
+    qp[which].krowsum = qkrow[which].data();
+    qp[which].kshift = qkshift[which].data();
   }
   torch::Tensor y;
   if (all_q) {

@@ -826,10 +826,12 @@ void check_moe(const std::vector<const KernelTable*>& variants) {
 // moe_q runs the same work items over the same row blocks. Experts of 0, 1, 9 (a whole block of 8
 // and one more) and 3 rows; tokens repeated across experts (each quantized once in moe_q); gate/up
 // W8G with some q = -128 (the AVX2 exact fallback) and down W8G, then both low-bit (4 bits with
-// offsets; 6 bits), activations with a 1e3 outlier.
+// offsets; 6 bits), then GGUF K-quant scales (WLowArgs' ksuper: gate/up 4 bits with row shifts and
+// mins as Q4_K, one expert without shifts; down 6 bits with int8 sub-scales to -128 and no mins, as
+// Q6_K; groups of 16 in super-blocks of 32), activations with a 1e3 outlier.
 
 void check_moe_q(const std::vector<const KernelTable*>& variants) {
-  constexpr int H = 96, I = 64, E = 5, T = 11, G = 32;
+  constexpr int H = 96, I = 64, E = 5, T = 11, S = 32;
   const int64_t counts[E] = {3, 0, 1, 9, 4};
   int64_t start[E + 1] = {0};
   for (int e = 0; e < E; ++e) start[e + 1] = start[e] + counts[e];
@@ -840,18 +842,22 @@ void check_moe_q(const std::vector<const KernelTable*>& variants) {
   std::vector<float> x((size_t)T * H);
   for (auto& v : x) v = rng.normal();
   x[5 * H + 7] = 1e3f;
-  for (int mode = 0; mode < 3; ++mode) {  // 0: W8G, 1: 4-bit with offsets, 2: 6-bit
-    const int bits = mode == 1 ? 4 : 6, ctr = bits == 6 ? 32 : 8;
+  for (int mode = 0; mode < 4; ++mode) {  // 0: W8G, 1: 4-bit with offsets, 2: 6-bit, 3: K-quant scales
+    const bool kq = mode == 3;
+    const int G = kq ? 16 : 32;
+    auto bits_of = [&](int p) { return mode == 1 || (kq && !p) ? 4 : 6; };
+    // K-quant flags per expert and projection: gate/up shifts (not expert 3's) and mins; down none
+    auto flags_of = [&](int e, int p) { return !kq || p ? 0 : (e == 3 ? 0 : 1) | 2; };
     // per expert and projection (0 gate/up [2I, H], 1 down [H, I]) the packed tensors
-    std::vector<std::vector<int8_t>> w8(2 * E);
+    std::vector<std::vector<int8_t>> w8(2 * E), ksub(2 * E), ksubmin(2 * E), kshift(2 * E);
     std::vector<std::vector<uint8_t>> lo(2 * E), hi(2 * E);
-    std::vector<std::vector<float>> sc(2 * E), ws(2 * E), off(2 * E);
+    std::vector<std::vector<float>> sc(2 * E), ws(2 * E), off(2 * E), ksup(2 * E), ksupmin(2 * E), krow(2 * E);
     std::vector<std::vector<int16_t>> ws16(2 * E);
     std::vector<uint8_t> m128(2 * E, 0);
     for (int e = 0; e < E; ++e)
       for (int p = 0; p < 2; ++p) {
-        const int N = p ? H : 2 * I, K = p ? I : H, tiles = (N + 15) / 16, groups = K / G;
-        const int i = 2 * e + p;
+        const int N = p ? H : 2 * I, K = p ? I : H, tiles = (N + 15) / 16, groups = K / G, supers = K / S;
+        const int i = 2 * e + p, ctr = bits_of(p) == 6 ? 32 : 8, fl = flags_of(e, p);
         sc[i].assign((size_t)tiles * groups * 16, 0.f);
         off[i].assign((size_t)tiles * groups * 16, 0.f);
         ws[i].assign((size_t)tiles * groups * 16, 0.f);
@@ -859,6 +865,12 @@ void check_moe_q(const std::vector<const KernelTable*>& variants) {
         w8[i].assign((size_t)tiles * 16 * K, 0);
         lo[i].assign((size_t)tiles * 8 * K, 0);
         hi[i].assign((size_t)tiles * 4 * K, 0);
+        ksub[i].assign((size_t)tiles * groups * 16, 0);
+        ksubmin[i].assign((size_t)tiles * groups * 16, 0);
+        kshift[i].assign((size_t)tiles * 16, 0);
+        ksup[i].assign((size_t)tiles * supers * 16, 0.f);
+        ksupmin[i].assign((size_t)tiles * supers * 16, 0.f);
+        krow[i].assign((size_t)tiles * 16, 0.f);
         std::vector<int> q((size_t)K);
         for (int n = 0; n < tiles * 16; ++n) {
           const int t = n / 16, r = n % 16;
@@ -874,17 +886,32 @@ void check_moe_q(const std::vector<const KernelTable*>& variants) {
             }
           else
             pack_wlow_row(q.data(), n, K, ctr, lo[i].data(), hi[i].data());
+          if (kq && n < N) {
+            if (fl & 1) kshift[i][n] = (int8_t)((int)(rng.next() % 17) - 8);
+            for (int b = 0; b < supers; ++b) {
+              ksup[i][((size_t)t * supers + b) * 16 + r] = 1e-4f + 1e-3f * rng.uniform();
+              if (fl & 2) ksupmin[i][((size_t)t * supers + b) * 16 + r] = 1e-3f * rng.uniform();
+            }
+          }
+          double rowsum = 0;
           for (int g = 0; g < groups; ++g) {
             int sum = 0;
             for (int k = g * G; k < (g + 1) * G; ++k) sum += q[k];
             const size_t at = ((size_t)t * groups + g) * 16 + r;
             ws[i][at] = (float)sum;
             ws16[i][at] = (int16_t)sum;
-            if (n < N) {
+            if (n < N && kq) {
+              // 4 bits: sub-scales and mins 6-bit (0..63, ends included); 6 bits: int8 to its ends
+              const int v = (int)(rng.next() % 64);
+              ksub[i][at] = (int8_t)(p ? (g % 3 == 0 ? -128 : g % 3 == 1 ? 127 : v - 32) : (g == 1 ? 63 : v));
+              if (fl & 2) ksubmin[i][at] = (int8_t)(rng.next() % 64);
+              rowsum += (double)ksup[i][((size_t)t * supers + g * G / S) * 16 + r] * ksub[i][at] * sum;
+            } else if (n < N) {
               sc[i][at] = 1e-3f + 0.01f * rng.uniform();
               off[i][at] = mode == 1 ? 0.02f * rng.normal() : 0.f;
             }
           }
+          krow[i][n] = (float)rowsum;
         }
       }
     // the per-expert calls (expert 1 has no rows: its pointers stay null in moe_q)
@@ -897,7 +924,7 @@ void check_moe_q(const std::vector<const KernelTable*>& variants) {
         for (int64_t r = 0; r < n; ++r)
           std::memcpy(xs.data() + r * H, x.data() + token[start[e] + r] * H, sizeof(float) * H);
         for (int p = 0; p < 2; ++p) {
-          const int N = p ? H : 2 * I, K = p ? I : H, i = 2 * e + p;
+          const int N = p ? H : 2 * I, K = p ? I : H, i = 2 * e + p, bits = bits_of(p), fl = flags_of(e, p);
           const float* src = p ? act.data() : xs.data();
           float* out = p ? want.data() + start[e] * H : gu.data();
           if (mode == 0) {
@@ -906,6 +933,16 @@ void check_moe_q(const std::vector<const KernelTable*>& variants) {
           } else {
             WLowArgs a{src, n, K, N, lo[i].data(), bits == 6 ? hi[i].data() : nullptr, sc[i].data(),
                        mode == 1 ? off[i].data() : nullptr, G, bits, out, ws16[i].data()};
+            if (kq) {
+              a.scale = nullptr, a.wsum = nullptr;
+              a.ksub = ksub[i].data();
+              a.ksubmin = fl & 2 ? ksubmin[i].data() : nullptr;
+              a.ksup = ksup[i].data();
+              a.ksupmin = fl & 2 ? ksupmin[i].data() : nullptr;
+              a.krowsum = krow[i].data();
+              a.kshift = fl & 1 ? kshift[i].data() : nullptr;
+              a.ksuper = S;
+            }
             kt->gemm_wlow_a8(a);
           }
           if (!p) kt->silu_and_mul(gu.data(), act.data(), kF32, n, I);
@@ -913,24 +950,44 @@ void check_moe_q(const std::vector<const KernelTable*>& variants) {
       }
       std::vector<const void*> pw[2], pws[2];
       std::vector<const uint8_t*> phi[2];
-      std::vector<const float*> psc[2], poff[2];
+      std::vector<const float*> psc[2], poff[2], psup[2], psupmin[2], prow[2];
+      std::vector<const int8_t*> psub[2], psubmin[2], pshift[2];
       std::vector<uint8_t> pm[2];
       MoeQProj proj[2];
       for (int p = 0; p < 2; ++p) {
         pw[p].assign(E, nullptr), pws[p].assign(E, nullptr), phi[p].assign(E, nullptr);
         psc[p].assign(E, nullptr), poff[p].assign(E, nullptr), pm[p].assign(E, 0);
+        psup[p].assign(E, nullptr), psupmin[p].assign(E, nullptr), prow[p].assign(E, nullptr);
+        psub[p].assign(E, nullptr), psubmin[p].assign(E, nullptr), pshift[p].assign(E, nullptr);
         for (int e = 0; e < E; ++e) {
           if (!counts[e]) continue;
-          const int i = 2 * e + p;
+          const int i = 2 * e + p, fl = flags_of(e, p);
           pw[p][e] = mode ? (const void*)lo[i].data() : (const void*)w8[i].data();
-          pws[p][e] = mode ? (const void*)ws16[i].data() : (const void*)ws[i].data();
-          phi[p][e] = mode == 2 ? hi[i].data() : nullptr;
-          psc[p][e] = sc[i].data();
+          pws[p][e] = kq ? nullptr : mode ? (const void*)ws16[i].data() : (const void*)ws[i].data();
+          phi[p][e] = bits_of(p) == 6 && mode ? hi[i].data() : nullptr;
+          psc[p][e] = kq ? nullptr : sc[i].data();
           poff[p][e] = mode == 1 ? off[i].data() : nullptr;
           pm[p][e] = m128[i];
+          if (kq) {
+            psub[p][e] = ksub[i].data();
+            psubmin[p][e] = fl & 2 ? ksubmin[i].data() : nullptr;
+            psup[p][e] = ksup[i].data();
+            psupmin[p][e] = fl & 2 ? ksupmin[i].data() : nullptr;
+            prow[p][e] = krow[i].data();
+            pshift[p][e] = fl & 1 ? kshift[i].data() : nullptr;
+          }
         }
-        proj[p] = MoeQProj{mode ? 1 : 0, G, mode ? bits : 0, pw[p].data(), phi[p].data(), psc[p].data(),
+        proj[p] = MoeQProj{mode ? 1 : 0, G, mode ? bits_of(p) : 0, pw[p].data(), phi[p].data(), psc[p].data(),
                            pws[p].data(), pm[p].data(), poff[p].data()};
+        if (kq) {
+          proj[p].ksuper = S;
+          proj[p].ksub = psub[p].data();
+          proj[p].ksubmin = psubmin[p].data();
+          proj[p].ksup = psup[p].data();
+          proj[p].ksupmin = psupmin[p].data();
+          proj[p].krowsum = prow[p].data();
+          proj[p].kshift = pshift[p].data();
+        }
       }
       std::vector<float> gu_out((size_t)R * 2 * I, -1.f), y((size_t)R * H, -1.f);
       MoeQArgs a{x.data(), T, H, I, E, start, token.data(), proj[0], proj[1], gu_out.data(), y.data()};
@@ -938,11 +995,12 @@ void check_moe_q(const std::vector<const KernelTable*>& variants) {
       double err = 0;
       bool ok = true;
       for (size_t j = 0; j < y.size(); ++j) {
-        ok = ok && y[j] == want[j];
+        ok = ok && y[j] == want[j] && std::isfinite(y[j]);
         err = std::max(err, (double)std::fabs(y[j] - want[j]));
       }
-      static const char* names[] = {"W8G (q = -128 included)", "4-bit with offsets", "6-bit"};
-      report(ok, kt->name, std::string("moe_q E=5 rows 3,0,1,9,4 H=96 I=64 G=32 ") + names[mode] +
+      static const char* names[] = {"G=32 W8G (q = -128 included)", "G=32 4-bit with offsets", "G=32 6-bit",
+                                    "G=16 S=32 K-quant (gate/up Q4_K-like with shifts and mins, down Q6_K-like)"};
+      report(ok, kt->name, std::string("moe_q E=5 rows 3,0,1,9,4 H=96 I=64 ") + names[mode] +
                                " == the per-expert calls", err);
     }
   }

@@ -141,10 +141,11 @@ struct MoeF32Args {
 
 // Every touched expert of one mixture-of-experts layer with quantized weights (moe_q): one
 // projection's experts, all in one layout. kind 0: W8GArgs' (w: int8 tiles, wsum: fp32 group sums,
-// m128: per expert, some q == -128); kind 1: WLowArgs' without offsets or K-quant scales (w: the
-// nibble plane lo, hi: the 2-bit plane for 6 bits or null, wsum: int16 group sums, offset: the
-// per-group offsets against the float activations' group sums, as gemm_wlow_a8's). Pointers are per
-// expert, null for an expert with no rows.
+// m128: per expert, some q == -128); kind 1: WLowArgs' (w: the nibble plane lo, hi: the 2-bit plane
+// for 6 bits or null, wsum: int16 group sums, offset: the per-group offsets against the float
+// activations' group sums, as gemm_wlow_a8's), or with ksuper > 0 WLowArgs' K-quant scales instead
+// of scale / wsum / offset (ksub .. kshift per expert, as gemm_wlow_a8 takes them; ksubmin, ksupmin
+// and kshift entries may be null per expert). Pointers are per expert, null for an expert with no rows.
 struct MoeQProj {
   int kind;                    // 0: W8G, 1: low-bit
   int group;                   // G: a multiple of 16, at most 256, dividing K
@@ -155,6 +156,13 @@ struct MoeQProj {
   const void* const* wsum;     // [E] [ceil(N/16)][K/G][16]: fp32 (kind 0) or int16 (kind 1)
   const uint8_t* m128;         // [E] (kind 0)
   const float* const* offset;  // [E] (kind 1) [ceil(N/16)][K/G][16] per-group offsets, or null entries
+  int ksuper;                  // kind 1: S (K-quant scales, a multiple of G dividing K) or 0
+  const int8_t* const* ksub;   // [E] (ksuper > 0) [ceil(N/16)][K/G][16]
+  const int8_t* const* ksubmin;  // [E] [ceil(N/16)][K/G][16] or null entries
+  const float* const* ksup;    // [E] [ceil(N/16)][K/S][16]
+  const float* const* ksupmin; // [E] [ceil(N/16)][K/S][16], with ksubmin
+  const float* const* krowsum; // [E] [ceil(N/16) * 16]
+  const int8_t* const* kshift; // [E] [ceil(N/16) * 16] or null entries
 };
 
 // moe_q: as moe_f32 over quantized experts. Each token's row of x is quantized once (per token,

@@ -940,6 +940,64 @@ static inline void wlow_add_offsets(const float* off, const float* xs, int64_t g
 #endif
 }
 
+// A GGUF K-quant's scale tables of one weight (WLowArgs' ksub .. kshift, G and S), and what gemm_wlow_a8
+// and moe_q both form from them: groups [g0, g0 + ng) of tile `tile`'s fp32 scales into sc and (off
+// non-null) the per-group offsets into off, a 16-row group at a time (a plain vector loop each, or the
+// variant's wlow_kscale_group): sc = d * sub, off = shift * sc - dmin * submin (the shift as a float
+// per row, 0 without one); and the activations' zero point met by the row sums, y[r] -= cz * krowsum[r].
+struct WLowKqTables {
+  const int8_t* ksub;
+  const int8_t* ksubmin;  // or null
+  const float* ksup;
+  const float* ksupmin;   // with ksubmin
+  const int8_t* kshift;   // or null
+  int64_t G, S;
+};
+static inline void wlow_kscales(const WLowKqTables& t, int64_t K, int64_t tile, int64_t g0, int64_t ng, float* sc,
+                                float* off) {
+  const int64_t G = t.G, S = t.S, groups = K / G, supers = K / S;
+  const int8_t* sub = t.ksub + (tile * groups + g0) * 16;
+  const int8_t* smin = t.ksubmin ? t.ksubmin + (tile * groups + g0) * 16 : nullptr;
+  float shf[16];
+  for (int r = 0; r < 16; ++r) shf[r] = t.kshift ? (float)t.kshift[tile * 16 + r] : 0.f;
+  const int64_t gps = S / G;  // groups per super-block (S is a multiple of G)
+  int64_t si = g0 / gps, gi = g0 % gps;
+  for (int64_t g = 0; g < ng; ++g, gi = gi + 1 == gps ? (++si, 0) : gi + 1) {
+    const int64_t b = (tile * supers + si) * 16;
+    const float* sup = t.ksup + b;
+    const int8_t* sg = sub + g * 16;
+    float* scg = sc + g * 16;
+    float* og = off ? off + g * 16 : nullptr;
+    const float* supmin = smin ? t.ksupmin + b : nullptr;
+    const int8_t* mg = smin ? smin + g * 16 : nullptr;
+#ifdef AK_WLOW_KSCALE_GROUP
+    wlow_kscale_group(sup, sg, shf, supmin, mg, scg, og);
+#else
+    if (!og) {
+#pragma omp simd
+      for (int r = 0; r < 16; ++r) scg[r] = sup[r] * (float)sg[r];
+    } else if (!mg) {
+#pragma omp simd
+      for (int r = 0; r < 16; ++r) {
+        const float v = sup[r] * (float)sg[r];
+        scg[r] = v;
+        og[r] = shf[r] * v;
+      }
+    } else {
+#pragma omp simd
+      for (int r = 0; r < 16; ++r) {
+        const float v = sup[r] * (float)sg[r];
+        scg[r] = v;
+        og[r] = shf[r] * v - supmin[r] * (float)mg[r];
+      }
+    }
+#endif
+  }
+}
+static inline void wlow_krowsum_term(const float* rs, float cz, float* y) {
+  for (int r = 0; r < 16; ++r) y[r] -= cz * rs[r];
+}
+
 static void gemm_wlow_a8(const WLowArgs& a) {
 #ifdef AK_WLOW_FAST
   const int bias = 0;  // wlow_block_fast takes int8 xq
@@ -950,7 +1008,7 @@ static void gemm_wlow_a8(const WLowArgs& a) {
   // K-quant scales: the chunk's fp32 group scales are formed from them in L1 (ksc), the group sums
   // of q are taken as zero (WLowBlock.wsum null) and the zero point's term is taken per row in finish (krowsum)
   const bool kq = a.ksuper > 0;
-  const int64_t S = kq ? a.ksuper : K, supers = K / S;
+  const int64_t S = kq ? a.ksuper : K;
   const bool has_off = a.offset || (kq && (a.ksubmin || a.kshift));
   ByteBuf xq((size_t)(M * K));
   FloatBuf corr((size_t)M), sx((size_t)M), xs((size_t)(has_off ? M * groups : 1));
@@ -970,46 +1028,9 @@ static void gemm_wlow_a8(const WLowArgs& a) {
   const int64_t chunk = std::max<int64_t>(G, kWLowChunk / G * G);
   const int64_t tiles = (N + 15) / 16;
   // K-quant: groups [g0, g0 + ng) of a tile's fp32 scales into sc, and (with offsets) into off
+  const WLowKqTables kt{a.ksub, a.ksubmin, a.ksup, a.ksupmin, a.kshift, G, S};
   auto kscales = [&](int64_t tile, int64_t g0, int64_t ng, float* sc, float* off) {
-    const int8_t* sub = a.ksub + (tile * groups + g0) * 16;
-    const int8_t* smin = a.ksubmin ? a.ksubmin + (tile * groups + g0) * 16 : nullptr;
-    // one 16-row group at a time, each a plain vector loop with no branch inside: sc = d * sub, and
-    // off = shift * sc - dmin * submin (the shift as a float per row, 0 without one)
-    float shf[16];
-    for (int r = 0; r < 16; ++r) shf[r] = a.kshift ? (float)a.kshift[tile * 16 + r] : 0.f;
-    const int64_t gps = S / G;  // groups per super-block (S is a multiple of G)
-    int64_t si = g0 / gps, gi = g0 % gps;
-    for (int64_t g = 0; g < ng; ++g, gi = gi + 1 == gps ? (++si, 0) : gi + 1) {
-      const int64_t b = (tile * supers + si) * 16;
-      const float* sup = a.ksup + b;
-      const int8_t* sg = sub + g * 16;
-      float* scg = sc + g * 16;
-      float* og = off ? off + g * 16 : nullptr;
-      const float* supmin = smin ? a.ksupmin + b : nullptr;
-      const int8_t* mg = smin ? smin + g * 16 : nullptr;
-#ifdef AK_WLOW_KSCALE_GROUP
-      wlow_kscale_group(sup, sg, shf, supmin, mg, scg, og);
-#else
-      if (!og) {
-#pragma omp simd
-        for (int r = 0; r < 16; ++r) scg[r] = sup[r] * (float)sg[r];
-      } else if (!mg) {
-#pragma omp simd
-        for (int r = 0; r < 16; ++r) {
-          const float v = sup[r] * (float)sg[r];
-          scg[r] = v;
-          og[r] = shf[r] * v;
-        }
-      } else {
-#pragma omp simd
-        for (int r = 0; r < 16; ++r) {
-          const float v = sup[r] * (float)sg[r];
-          scg[r] = v;
-          og[r] = shf[r] * v - supmin[r] * (float)mg[r];
-        }
-      }
-#endif
-    }
+    wlow_kscales(kt, K, tile, g0, ng, sc, off);
   };
   // the tile's rows: sx * acc plus the offsets' term against the float group sums; koff: the
   // tile's K-quant offsets (null otherwise); s: the token's scale if acc is not yet scaled, else 1
@@ -1018,11 +1039,7 @@ static void gemm_wlow_a8(const WLowArgs& a) {
     float* o = a.out + m * N + tile * 16;
     float y[16];
     for (int r = 0; r < 16; ++r) y[r] = s * ac[r];
-    if (kq) {
-      const float cz = sx.data()[m] * corr.data()[m];
-      const float* rs = a.krowsum + tile * 16;
-      for (int r = 0; r < 16; ++r) y[r] -= cz * rs[r];
-    }
+    if (kq) wlow_krowsum_term(a.krowsum + tile * 16, sx.data()[m] * corr.data()[m], y);
     const float* off = kq ? koff : (a.offset ? a.offset + tile * groups * 16 : nullptr);
     if (off) wlow_add_offsets(off, xs.data() + m * groups, groups, y);
     for (int r = 0; r < rows; ++r) o[r] = y[r];
@@ -1352,11 +1369,13 @@ static void moe_q_quant(const float* src, int64_t K, const MoeQProj& p, uint8_t*
 
 // Scratch of one thread for the low-bit items.
 struct MoeQScratch {
-  FloatBuf acc, tmp, wsum;
+  FloatBuf acc, tmp, wsum, ksc, koff;
   ByteBuf q, xb;
-  explicit MoeQScratch(int64_t rows)
+  // koff: a tile's K-quant offsets, [K/G][16] for the largest K (at most K values)
+  MoeQScratch(int64_t rows, int64_t max_k)
       : acc((size_t)(std::max<int64_t>(rows, kW8GTokens) * 16)), tmp(16 * kW8GTokens), wsum((size_t)kWLowChunk),
-        q((size_t)(kWLowChunk * 16)), xb((size_t)(kWLowChunk * kW8GTokens)) {}
+        ksc((size_t)kWLowChunk), koff((size_t)max_k), q((size_t)(kWLowChunk * 16)),
+        xb((size_t)(kWLowChunk * kW8GTokens)) {}
 };
 
 // Tile `tile` of expert e's projection p (K inputs, N outputs) over grouped rows [r0, r0 + n) of
@@ -1389,16 +1408,30 @@ static void moe_q_tile(const MoeQProj& p, int64_t e, int64_t tile, int64_t K, in
   }
   const uint8_t* lo = static_cast<const uint8_t*>(p.w[e]) + tile * 8 * K;
   const uint8_t* hi = p.hi[e] ? p.hi[e] + tile * 4 * K : nullptr;
-  const float* scale = p.scale[e] + tile * groups * 16;
-  const int16_t* ws = static_cast<const int16_t*>(p.wsum[e]) + tile * groups * 16;
-  const float* off = p.offset[e] ? p.offset[e] + tile * groups * 16 : nullptr;
-  // as gemm_wlow_a8's finish without K-quant scales: s * acc, plus the offsets' term
+  // K-quant scales: the chunk's fp32 group scales formed in L1 (s.ksc) and the tile's offsets (s.koff)
+  // as gemm_wlow_a8 forms them; q's group sums taken as zero, the zero point met by krowsum in finish
+  const bool kq = p.ksuper > 0;
+  const WLowKqTables kt{kq ? p.ksub[e] : nullptr, kq ? p.ksubmin[e] : nullptr, kq ? p.ksup[e] : nullptr,
+                        kq ? p.ksupmin[e] : nullptr, kq ? p.kshift[e] : nullptr, G, kq ? p.ksuper : K};
+  const bool kq_off = kq && (kt.ksubmin || kt.kshift);
+  const float* scale = kq ? nullptr : p.scale[e] + tile * groups * 16;
+  const int16_t* ws = kq ? nullptr : static_cast<const int16_t*>(p.wsum[e]) + tile * groups * 16;
+  const float* off = kq ? (kq_off ? s.koff.data() : nullptr) : p.offset[e] ? p.offset[e] + tile * groups * 16 : nullptr;
+  const float* krs = kq ? p.krowsum[e] + tile * 16 : nullptr;
+  // as gemm_wlow_a8's finish: s * acc, the K-quant zero point's row term, plus the offsets' term
   auto finish = [&](int64_t m, const float* ac, float sc) {
     float y[16];
     for (int r = 0; r < 16; ++r) y[r] = sc * ac[r];
+    if (kq) wlow_krowsum_term(krs, sx[m] * corr[m], y);
     if (off) wlow_add_offsets(off, xs + m * groups, groups, y);
     float* o = out + m * N + tile * 16;
     for (int r = 0; r < rows; ++r) o[r] = y[r];
+  };
+  // chunk k0's scales (and, K-quant with offsets, its groups' offsets into s.koff)
+  auto chunk_scales = [&](int64_t k0, int64_t kc) -> const float* {
+    if (!kq) return scale + k0 / G * 16;
+    wlow_kscales(kt, K, tile, k0 / G, kc / G, s.ksc.data(), kq_off ? s.koff.data() + k0 / G * 16 : nullptr);
+    return s.ksc.data();
   };
   const int64_t chunk = std::max<int64_t>(G, kWLowChunk / G * G);
 #ifdef AK_WLOW_FAST
@@ -1422,8 +1455,8 @@ static void moe_q_tile(const MoeQProj& p, int64_t e, int64_t tile, int64_t K, in
       b.xsum = xsum + m0 * groups + k0 / G;
       b.ldg = groups;
       b.zp = corr + m0;
-      b.scale = scale + k0 / G * 16;
-      b.wsum = ws + k0 / G * 16;
+      b.scale = chunk_scales(k0, b.kc);
+      b.wsum = kq ? nullptr : ws + k0 / G * 16;  // q's group sums are zero with K-quant scales
       b.acc = acc;
       wlow_block_fast(b);
     }
@@ -1440,7 +1473,8 @@ static void moe_q_tile(const MoeQProj& p, int64_t e, int64_t tile, int64_t K, in
     for (int64_t k0 = 0; k0 < K; k0 += chunk) {
       const int64_t kc = std::min(chunk, K - k0);
       wlow_unpack(lo, hi, p.bits, k0, kc, q);
-      for (int64_t j = 0; j < kc / G * 16; ++j) s.wsum.data()[j] = (float)ws[k0 / G * 16 + j];
+      const float* sc = chunk_scales(k0, kc);
+      for (int64_t j = 0; j < kc / G * 16; ++j) s.wsum.data()[j] = kq ? 0.f : (float)ws[k0 / G * 16 + j];
       W8GBlock b;
       if (T == 1) {
         b.x = xq + m0 * K + k0;
@@ -1453,7 +1487,7 @@ static void moe_q_tile(const MoeQProj& p, int64_t e, int64_t tile, int64_t K, in
       b.corr = corr + m0;
       b.sx = sx + m0;
       b.w = q;
-      b.scale = scale + k0 / G * 16;
+      b.scale = sc;
       b.wsum = s.wsum.data();
       b.G = (int)G;
       b.out = s.tmp.data();
@@ -1491,7 +1525,7 @@ static void moe_q(const MoeQArgs& a) {
   const int64_t tgu = (2 * I + 15) / 16, tdn = (H + 15) / 16;
 #pragma omp parallel if (R * H * I > (1 << 15))
   {
-    MoeQScratch scratch(max_rows);
+    MoeQScratch scratch(max_rows, std::max(H, I));
     FloatBuf row((size_t)(3 * I));
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t)
