@@ -87,6 +87,10 @@ def test_harness_under_qemu(arm_build, profile):
         assert len(re.findall(rf"^PASS {v}\s+kv write ", r.stdout, re.M)) == 3, v
         assert len(re.findall(rf"^PASS {v}\s+attn .*kv:(int8|fp8_e4m3|fp8_e5m2) ", r.stdout, re.M)) == 15, v
         assert re.search(rf"^PASS {v}\s+argmax_rows ", r.stdout, re.M), v  # greedy sampling's row argmax
+        # a quantized MoE layer in one region (moe_q) bit for bit the per-expert calls: W8G, 4-bit with
+        # offsets, 6-bit, and GGUF K-quant experts (Q4_K-like gate/up, Q6_K-like down)
+        assert len(re.findall(rf"^PASS {v}\s+moe_q ", r.stdout, re.M)) == 4, v
+        assert re.search(rf"^PASS {v}\s+moe_q .*K-quant", r.stdout, re.M), v
         # issue 19's GEMM grid (M 1/3/8/17/64 x K 64/576/1000/1001, N 100, and two large-magnitude
         # cancelling cases) for the float panel GEMM and the bf16 one with fp32 and bf16 activations
         # (BFDOT where the profile has BF16: v2, v1, max)
