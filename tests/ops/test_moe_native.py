@@ -432,3 +432,25 @@ def test_kquant_experts_of_mixed_types_fall_back(variant):
     got = _kq_check(block, x, ids, w, one_region=False)
     want = _per_token_quant_reference(block, x, ids, w)
     torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=0)
+
+
+def test_kquant_expert_tables_of_the_wrong_size_are_refused():
+    """A K-quant expert's tables not of its shape are refused naming the expert, the projection and the
+    table (not read out of bounds)."""
+    block = _kq_block("q4_k_m")
+    flat, kinds = native_plan(block.experts)
+    x, ids, w = torch.randn(2, KQ_HIDDEN), torch.tensor([[0, 1, 2], [0, 1, 2]]), torch.rand(2, TOP_K)
+    bad = list(flat)
+    bad[3] = flat[3][:-1]  # expert 0 gate/up kf
+    with pytest.raises(RuntimeError, match=r"expert 0 gate/up: kf float32: krowsum \[512\].* got \d+ values"):
+        native.moe_experts(x, ids, w, bad, kinds, KQ_WIDTH)
+    bad = list(flat)
+    bad[5 + 4] = flat[5 + 4][:-1]  # expert 0 down k8
+    with pytest.raises(RuntimeError, match=r"expert 0 down: k8 int8: .* got \d+ values"):
+        native.moe_experts(x, ids, w, bad, kinds, KQ_WIDTH)
+    bad_kinds = list(kinds)
+    bad_kinds[3] = 128 | 3 << 16  # expert 0's gate/up said to have super-blocks of 128: its tables are of 256
+    before = native.moe_q_calls()
+    with pytest.raises(RuntimeError, match=r"expert 0 gate/up: kf float32: krowsum \[512\], ksup \[32, 2, 16\]"):
+        native.moe_experts(x, ids, w, flat, bad_kinds, KQ_WIDTH)
+    assert native.moe_q_calls() == before
