@@ -181,12 +181,19 @@ def _evict_caches() -> None:
     """Write 64 MiB (more than the last-level caches of the CPUs this targets) so the next call
     finds its weights in DRAM, as a decode step does: each weight is read once per step, after
     every other layer's. Timed hot, a kernel that streams weights badly would look as good as one
-    that prefetches them."""
+    that prefetches them. The scratch is kept between the calls of one ``select_backends`` and
+    released at its end (``_release_scratch``): 64 MiB resident for the process's life otherwise."""
     global _SCRATCH
     with torch.inference_mode():  # callers time both inside and outside inference mode
         if _SCRATCH is None:
             _SCRATCH = torch.empty(64 << 20, dtype=torch.uint8)
         _SCRATCH.fill_(1)
+
+
+def _release_scratch() -> None:
+    """Free ``_evict_caches``' scratch (a later timing allocates it again)."""
+    global _SCRATCH
+    _SCRATCH = None
 
 
 _ROUNDS = 3  # interleaved rounds of timing per (candidate, batch size)
@@ -353,6 +360,7 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
                      cache[ckey])
             dirty = True
         choices[key] = chosen[id(m)] = cache[ckey]
+    _release_scratch()  # timing is over: its 64 MiB would stay resident beside the weights
     if dirty:
         path = _choice_cache_path()
         try:

@@ -124,3 +124,28 @@ def test_layers_of_one_shape_with_other_candidates_are_chosen_apart(tmp_path, mo
     c.candidates = lambda dtype, device: [only]
     linear.select_backends(nn.Sequential(c, d), "auto", torch.float32, torch.device("cpu"))
     assert (c.backend, d.backend) == (only, cands[0])
+
+
+def test_the_timing_scratch_is_released_after_the_choice(tmp_path, monkeypatch):
+    """Timing writes a 64 MiB scratch between calls (``_evict_caches``); it is freed once the layers
+    are chosen, not left resident beside the weights for the process's life (issue 14: a cold load
+    held it)."""
+    import torch
+    from torch import nn
+
+    monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(tmp_path))
+    during = []
+
+    def measure(self, cands, rows, timer):
+        timer(lambda: None)  # linear._time: evicts the caches before each timed call
+        during.append(linear._SCRATCH is not None and linear._SCRATCH.numel())
+        return {c: i for i, c in enumerate(cands)}
+
+    lin = linear.Linear(64, 32)
+    first = lin.candidates(torch.float32, torch.device("cpu"))[0]
+    # two candidates (the host may have one float backend): the choice is timed, not taken
+    monkeypatch.setattr(linear.Linear, "candidates", lambda self, dtype, device: [first, first])
+    monkeypatch.setattr(linear.Linear, "measure", measure)
+    linear.select_backends(nn.Sequential(lin), "auto", torch.float32, torch.device("cpu"))
+    assert during == [64 << 20] and lin.backend == first
+    assert linear._SCRATCH is None
