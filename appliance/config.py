@@ -17,7 +17,7 @@ ATTENTION_BACKENDS = ("auto", "native", "reference", "cuda")
 DEVICES = ("auto", "cpu", "cuda")  # auto: cuda when torch.cuda.is_available() (appliance/engine/device.py)
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "native", "native_bf16",  # float; then quantized (appliance/layers/quant.py)
                    "w8a8_onednn", "w8a8_native", "w8a16_int8pack", "w4a8_dynquant", "w4a16_int4pack",
-                   "w4a8_native", "w6a8_native")
+                   "w4a8_native", "w6a8_native", "w5a8_native")
 # "gguf": a GGUF's projections as the file stores them (vLLM's name), each in its type's scheme
 QUANTIZATIONS = ("none", "w8a8", "w4a8", "gguf")
 ALLOCATORS = ("mimalloc", "glibc-tuned", "system")

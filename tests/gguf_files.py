@@ -100,3 +100,13 @@ def q4_k_m_types(layers: int, embedding: str = "Q6_K") -> dict[str, str]:
                       f"blk.{i}.ffn_gate.weight": "Q4_K", f"blk.{i}.ffn_up.weight": "Q4_K",
                       f"blk.{i}.ffn_down.weight": "Q6_K" if more else "Q4_K"})
     return types
+
+
+def q4_k_m_fallback_types(layers: int) -> dict[str, str]:
+    """``q4_k_m_types`` as llama.cpp writes it when the hidden size is not a multiple of 256 (Qwen2.5-0.5B:
+    896): a K-quant needs rows of whole 256-blocks, so every tensor with ``hidden`` inputs falls back,
+    Q4_K to Q5_0 and Q6_K to Q8_0 (``llama_tensor_get_type``'s fallback); ffn_down (``ffn`` inputs, a
+    multiple of 256) keeps its K-quant. The tied embedding is then Q8_0."""
+    fallback = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
+    return {name: t if name.endswith("ffn_down.weight") else fallback[t]
+            for name, t in q4_k_m_types(layers).items()}

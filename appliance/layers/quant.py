@@ -204,8 +204,9 @@ class QuantLinear(LinearBase):
 
     @property
     def shape_key(self) -> str:
-        # "|6b": a W8 layer whose values fit 6 bits (w6a8_native is a candidate for it, not for the others)
-        six = "|6b" if self.scheme == "w8a8" and self._fits_6_bits() else ""
+        # "|6b" / "|5b": a W8 layer whose values fit 6 / 5 bits (w6a8_native / w5a8_native are candidates
+        # for it, not for the others)
+        six = "" if self.scheme != "w8a8" else "|5b" if self._fits_bits(5) else "|6b" if self._fits_bits(6) else ""
         kq = "|kq" if self._kquant_methods() else ""
         return f"{self.scheme}g{self.group_size}|{self.out_features}x{self.in_features}{six}{kq}"
 
@@ -243,18 +244,25 @@ class QuantLinear(LinearBase):
                 and m.takes_kquant(self.qweight.data, t)]
         return self.__dict__["_kq_methods"]
 
-    def _fits_6_bits(self) -> bool:
-        if "_fits6" not in self.__dict__:  # decided once, on the loaded weights (released after packing)
+    def _fits_bits(self, bits: int) -> bool:
+        """Whether every value lies in [-2^(bits-1), 2^(bits-1) - 1] (a low-bit method's range)."""
+        if "_qrange" not in self.__dict__:  # decided once, on the loaded weights (released after packing)
             q = self.qweight.data.numpy()  # numpy's int8 min/max are ~100x faster than torch's
-            self.__dict__["_fits6"] = q.size > 0 and int(q.min()) >= -32 and int(q.max()) <= 31
-        return self.__dict__["_fits6"]
+            self.__dict__["_qrange"] = (int(q.min()), int(q.max())) if q.size else None
+        r = self.__dict__["_qrange"]
+        return r is not None and r[0] >= -(1 << (bits - 1)) and r[1] < 1 << (bits - 1)
 
     def candidates(self, dtype: torch.dtype, device: torch.device) -> list[str]:
         if device.type != "cpu":
             return []
-        return [m.name for m in methods.of_scheme(self.scheme)
-                if backend_valid(m.name, self.scheme, self.out_features, self.in_features, self.group_size)
-                and (not hasattr(m, "takes_values") or self.scheme != "w8a8" or self._fits_6_bits())]
+        names = [m.name for m in methods.of_scheme(self.scheme)
+                 if backend_valid(m.name, self.scheme, self.out_features, self.in_features, self.group_size)
+                 and (not hasattr(m, "bits") or self.scheme != "w8a8" or self._fits_bits(m.bits))]
+        # w5a8_native runs w6a8_native's kernel on one plane less: the 6-bit form is only offered where
+        # it would keep the layer's K-quant scales (which the 5-bit form does not)
+        if "w5a8_native" in names and "w6a8_native" not in self._kquant_methods():
+            names = [n for n in names if n != "w6a8_native"]
+        return names
 
     def measure(self, candidates: list[str], rows, timer) -> dict[str, float]:
         n, k = self.out_features, self.in_features
@@ -266,7 +274,8 @@ class QuantLinear(LinearBase):
         for name in candidates:
             m = methods.get(name)
             # timing does not depend on the values: a method taking fewer bits gets them clamped
-            p = pack(name, qw.clamp(-32, 31) if getattr(m, "bits", 8) == 6 else qw, s, *zp)
+            c = 1 << (getattr(m, "bits", 8) - 1)
+            p = pack(name, qw.clamp(-c, c - 1) if self.scheme == "w8a8" and c < 128 else qw, s, *zp)
             xs = {m: torch.randn(m, k) for m in rows}  # not timed
             fns[name] = {m: (lambda x=xs[m], b=name, p=p: run(b, p, x, n, k)) for m in rows}
         return relative_cost(fns, timer)

@@ -76,9 +76,10 @@ def test_harness_under_qemu(arm_build, profile):
         if v != "generic":
             assert re.search(rf"^PASS {v}\s+attn .*kv:bf16", r.stdout, re.M), v
         assert len(re.findall(rf"^PASS {v}\s+w8g ", r.stdout, re.M)) == 8, v  # 3 of them the overflow worst cases, 2 group 16
-        # low-bit weights: fp32 group scales (8, 2 of them extremes) and a GGUF K-quant's own scales (8,
-        # 2 of them at super-blocks of 128 and 64)
-        assert len(re.findall(rf"^PASS {v}\s+wlow M", r.stdout, re.M)) == 8, v
+        # low-bit weights: fp32 group scales (13: 4/6 bits 8, 2 of them extremes; 5 bits 5, 2 of them
+        # extremes) and a GGUF K-quant's own scales (8, 2 of them at super-blocks of 128 and 64)
+        assert len(re.findall(rf"^PASS {v}\s+wlow M", r.stdout, re.M)) == 13, v
+        assert len(re.findall(rf"^PASS {v}\s+wlow M.*bits=5", r.stdout, re.M)) == 5, v
         assert len(re.findall(rf"^PASS {v}\s+wlow-kquant ", r.stdout, re.M)) == 8, v
         assert len(re.findall(rf"^PASS {v}\s+gemm_f32 M", r.stdout, re.M)) == 5, v  # the float panel GEMM
         assert len(re.findall(rf"^PASS {v}\s+gemm_f32 silu_mul ", r.stdout, re.M)) == 2, v  # + silu(gate) * up
@@ -88,9 +89,10 @@ def test_harness_under_qemu(arm_build, profile):
         assert len(re.findall(rf"^PASS {v}\s+attn .*kv:(int8|fp8_e4m3|fp8_e5m2) ", r.stdout, re.M)) == 15, v
         assert re.search(rf"^PASS {v}\s+argmax_rows ", r.stdout, re.M), v  # greedy sampling's row argmax
         # a quantized MoE layer in one region (moe_q) bit for bit the per-expert calls: W8G, 4-bit with
-        # offsets, 6-bit, and GGUF K-quant experts (Q4_K-like gate/up, Q6_K-like down)
-        assert len(re.findall(rf"^PASS {v}\s+moe_q ", r.stdout, re.M)) == 4, v
+        # offsets, 6-bit, GGUF K-quant experts (Q4_K-like gate/up, Q6_K-like down) and 5-bit
+        assert len(re.findall(rf"^PASS {v}\s+moe_q ", r.stdout, re.M)) == 5, v
         assert re.search(rf"^PASS {v}\s+moe_q .*K-quant", r.stdout, re.M), v
+        assert re.search(rf"^PASS {v}\s+moe_q .*5-bit", r.stdout, re.M), v
         # issue 19's GEMM grid (M 1/3/8/17/64 x K 64/576/1000/1001, N 100, and two large-magnitude
         # cancelling cases) for the float panel GEMM and the bf16 one with fp32 and bf16 activations
         # (BFDOT where the profile has BF16: v2, v1, max)

@@ -655,17 +655,20 @@ def test_moe_gguf_gives_the_hf_models_tokens(tiny_model_dir, tmp_path, gguf_voca
         torch.testing.assert_close(engine_logits(llm, p), want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q5_0"])
 def test_moe_gguf_quantized_experts_load_as_they_are(tiny_model_dir, tmp_path, gguf_vocab, monkeypatch, qtype):
     """Quantized ffn_*_exps tensors load one expert at a time as their blocks (never quantized from a
     float matrix); the logits equal transformers' model holding the file's dequantized expert weights
-    up to the experts' int8 activations (as test_quantized_moe_model_in_the_engine)."""
+    up to the experts' int8 activations (as test_quantized_moe_model_in_the_engine). Q5_0: the experts
+    on ``w5a8_native`` (5 bits, the kernels' ``moe_q`` over them in one region)."""
     from helpers import skip_unless_backend
 
     from appliance.layers import quant
 
     if qtype == "Q8_0":
         skip_unless_backend("w8a8_native")  # the only method for a GGUF's W8 groups
+    if qtype == "Q5_0":
+        skip_unless_backend("w5a8_native")
     src = tiny_model_dir("qwen3_moe", vocab_size=GGUF_VOCAB)
     path = tmp_path / "q.gguf"
     written = write_moe_gguf(src, path, gguf_vocab, expert_type=qtype)
@@ -688,11 +691,14 @@ def test_moe_gguf_quantized_experts_load_as_they_are(tiny_model_dir, tmp_path, g
     monkeypatch.setattr(quant, "quantize_int4", refuse)
     monkeypatch.setattr(quant, "quantize_int8", refuse)
     # gguf: the file's quantized tensors as they are (W4 group 32, W8 group 32), the others float
-    llm = LLM(str(path), dtype="float32", quantization="gguf", num_kv_blocks=128)
+    llm = LLM(str(path), dtype="float32", quantization="gguf", num_kv_blocks=128,
+              linear_backend="w5a8_native" if qtype == "Q5_0" else "auto")
     scheme = "w4a8" if qtype == "Q4_0" else "w8a8"
     for b in _sparse_layers(llm.engine.runner.model):
         assert all(isinstance(m.gate_up_proj, quant.QuantLinear) and m.gate_up_proj.scheme == scheme
                    and m.gate_up_proj.group_size == 32 and isinstance(m.down_proj, quant.QuantLinear) for m in b.experts)
+        if qtype == "Q5_0":
+            assert all(m.gate_up_proj.backend == m.down_proj.backend == "w5a8_native" for m in b.experts)
     hf = _hf(src)
     with torch.no_grad():
         for i, layer in enumerate(hf.model.layers):
@@ -706,6 +712,8 @@ def test_moe_gguf_quantized_experts_load_as_they_are(tiny_model_dir, tmp_path, g
             want = hf(torch.tensor([p])).logits[0, -1].float()
         got = engine_logits(llm, p)
         assert (got - want).abs().max() <= 0.04 * want.abs().max(), (got - want).abs().max() / want.abs().max()
+    if qtype == "Q5_0":  # the experts ran as one native call (moe_q over 5-bit tiles), not one call each
+        assert sum(b.native_calls for b in _sparse_layers(llm.engine.runner.model)) > 0
 
 
 @pytest.mark.skipif(not native_available(), reason="needs the native kernels (python -m appliance.ops.native --build)")

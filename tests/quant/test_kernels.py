@@ -56,8 +56,9 @@ def test_backend_matches_fp64_reference(case, shape):
     g = k if group is None else group
     w = _weights(n, k)
     qw, s, *zp = quant.quantize_int8(w) if scheme == "w8a8" else quant.quantize_int4(w, g)
-    if getattr(methods.get(backend), "bits", 8) == 6:  # w6a8_native takes W8 layers whose values fit 6 bits
-        qw = qw.clamp(-32, 31)
+    bits = getattr(methods.get(backend), "bits", 8)
+    if scheme == "w8a8" and bits < 8:  # w6a8_native / w5a8_native take W8 layers whose values fit 6 / 5 bits
+        qw = qw.clamp(-(1 << (bits - 1)), (1 << (bits - 1)) - 1)
     assert_matches_reference(backend, qw, s, zp[0] if zp else None)
 
 
@@ -215,6 +216,8 @@ def test_worst_case_inputs_match_reference(backend):
     scheme = next(s for s, names in quant.BACKENDS.items() if backend in names)
     if backend == "w6a8_native":  # W8 layers whose values fit 6 bits, in groups
         ranges, groups = [(-32, 31)], [16, 32]
+    elif backend == "w5a8_native":  # W8 layers whose values fit 5 bits, in groups of 32 or more
+        ranges, groups = [(-16, 15)], [32, 64]
     elif scheme == "w8a8":
         group = 32 if backend == "w8a8_native" else k  # only the native kernel takes W8 groups (and -128)
         lo = -128 if backend == "w8a8_native" else -127

@@ -1,6 +1,6 @@
-"""``w4a8_native`` and ``w6a8_native`` (appliance/layers/methods/lowbit.py, the native kernels'
-``gemm_wlow_a8``): GGUF Q4_K / Q4_0 / Q4_1 and Q6_K / Q5_0 blocks decoded to the canonical form, packed
-into 4- and 6-bit tiles, and applied.
+"""``w4a8_native``, ``w5a8_native`` and ``w6a8_native`` (appliance/layers/methods/lowbit.py, the native
+kernels' ``gemm_wlow_a8``): GGUF Q4_K / Q4_0 / Q4_1, Q5_0 / Q5_1 and Q6_K blocks decoded to the canonical
+form, packed into 4-, 5- and 6-bit tiles, and applied.
 
 - Held weights: the packed form read back (``dequantize_rows``) equals gguf's own fp64 ``dequantize`` of
   the blocks to fp32 rounding: exactly for the symmetric types, within 2^-22 of the group's largest
@@ -10,8 +10,9 @@ into 4- and 6-bit tiles, and applied.
 - Worst cases: every weight at the ends of its range, activations coded 127 / -128 (no cancellation
   to hide a clipped integer sum), scales at fp16's largest times the largest sub-scale and at fp16's
   smallest subnormal: the same tolerance.
-- Held size: 4 bits + fp32 scale, int16 sum and fp32 offset per 32 = 0.8125 B/weight; 6 bits + fp32
-  scale and int16 sum per 16 = 1.125 (per 32: 0.9375).
+- Held size: 4 bits + fp32 scale, int16 sum and fp32 offset per 32 = 0.8125 B/weight; 5 bits + fp32
+  scale and int16 sum per 32 = 0.8125 (Q5_0; file 0.6875); 6 bits + fp32 scale and int16 sum per 16 =
+  1.125 (per 32: 0.9375).
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from appliance.ops import native
 
 pytestmark = pytest.mark.skipif(not native.is_available(), reason="the native kernels are not built")
 
-W4, W6 = methods.get("w4a8_native"), methods.get("w6a8_native")
+W4, W5, W6 = methods.get("w4a8_native"), methods.get("w5a8_native"), methods.get("w6a8_native")
+_BY_BITS = {4: W4, 5: W5, 6: W6}
 
 
 def _kquant_blocks(qtype: str, n: int, k: int, rng) -> np.ndarray:
@@ -51,10 +53,10 @@ def _blocks(qtype: str, n: int, k: int, rng) -> np.ndarray:
 
 
 def _method(qtype: str):
-    return W4 if KEPT[qtype].scheme == "w4a8" else W6
+    return W4 if KEPT[qtype].scheme == "w4a8" else W5 if qtype in ("Q5_0", "Q5_1") else W6
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q4_0", "Q4_1", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q4_0", "Q4_1", "Q6_K", "Q5_0", "Q5_1"])
 @pytest.mark.parametrize("n,k", [(40, 512), (17, 768)])
 def test_held_weights_are_ggufs_dequantization_and_outputs_the_reference(qtype, n, k):
     rng = np.random.default_rng(1)
@@ -73,15 +75,18 @@ def test_held_weights_are_ggufs_dequantization_and_outputs_the_reference(qtype, 
         y = m.apply(p, x).double()
         ref = m.reference(x, cw.qweight, cw.scale, zero_point=cw.zero_point)
         assert (y - ref).abs().max().item() <= 2e-5 * ref.abs().max().item(), (qtype, rows)
-    # what it holds, bytes per weight (padding rows aside): 4 or 6 bits, an fp32 scale and int16 sum
+    # what it holds, bytes per weight (padding rows aside): 4, 5 or 6 bits, an fp32 scale and int16 sum
     # of q per group, and an fp32 offset per group with zero points
     per_weight = packed_bytes(p) / (((n + 15) // 16 * 16) * k)
     g = p["group"]
-    want_bpw = {4: 0.5 + 6 / g + (4 / g if cw.zero_point is not None else 0), 6: 0.75 + 6 / g}
-    assert per_weight == pytest.approx(want_bpw[m.bits])
+    off = 4 / g if cw.zero_point is not None else 0
+    assert per_weight == pytest.approx(m.bits / 8 + 6 / g + off)
+    if qtype == "Q5_0":  # issue 14: Q5_0 (0.6875 B/weight in the file) held at 0.8125, not 6 bits' 0.9375
+        assert per_weight == pytest.approx(0.8125)
 
 
-@pytest.mark.parametrize("bits,group,zp", [(4, 32, True), (4, 32, False), (6, 16, False), (6, 32, True)])
+@pytest.mark.parametrize("bits,group,zp", [(4, 32, True), (4, 32, False), (5, 32, False), (5, 64, True),
+                                           (6, 16, False), (6, 32, True)])
 @pytest.mark.parametrize("scale_at", ["fp16_max", "fp16_min"])
 @pytest.mark.parametrize("pattern", ["alternating", "uniform"])
 def test_worst_case_blocks(bits, group, zp, scale_at, pattern):
@@ -92,9 +97,9 @@ def test_worst_case_blocks(bits, group, zp, scale_at, pattern):
     range and every activation but the first coded -128, so each int16 lane of a VPMADDUBSW pair holds
     2 * u_max * 128 and the x86 kernels' int16 sums over several steps (4 bits: eight products of
     steps before a widening, 30720) are at their bound."""
-    m = W4 if bits == 4 else W6
+    m = _BY_BITS[bits]
     n, k = 32, 512
-    c = 8 if bits == 4 else 32
+    c = {4: 8, 5: 16, 6: 32}[bits]
     kk = torch.arange(k)
     if pattern == "uniform":
         q = torch.full((n, k), c - 1, dtype=torch.int8)
@@ -121,7 +126,7 @@ def test_worst_case_blocks(bits, group, zp, scale_at, pattern):
         assert (y - ref).abs().max().item() <= 2e-5 * ref.abs().max().item(), rows
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q4_0", "Q4_1", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q4_0", "Q4_1", "Q6_K", "Q5_0", "Q5_1"])
 @pytest.mark.parametrize("k,rows", [(768, 37), (4096, 70)])
 def test_many_rows_equal_each_row_alone(qtype, k, rows):
     """Prefill-sized inputs (a tile's weights unpacked once and met by several tokens at a time) give
@@ -152,6 +157,37 @@ def test_six_bit_method_refuses_wider_values():
     assert not W6.takes_values(q)
     with pytest.raises(ValueError, match=r"\[-32, 31\]"):
         W6.pack(q, torch.ones(16, 4))
+
+
+def test_five_bit_method_refuses_wider_values_and_groups_of_16():
+    q = torch.zeros(16, 64, dtype=torch.int8)
+    q[3, 5] = 16
+    assert not W5.takes_values(q) and W6.takes_values(q)
+    with pytest.raises(ValueError, match=r"\[-16, 15\]"):
+        W5.pack(q, torch.ones(16, 2))
+    q[3, 5] = -16
+    assert W5.takes_values(q)
+    # the 1-bit plane holds 32 inputs a byte: groups and in_features multiples of 32
+    assert not W5.takes(16, 64, 16) and not W5.takes(16, 48, 48) and W5.takes(16, 64, 32) and W5.takes(16, 64, 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        W5.pack(q, torch.ones(16, 4))
+
+
+def test_five_bit_plane_layout():
+    """The 1-bit plane as ``WLowArgs`` documents it: bit p of byte j of row r's 32-input step s holds
+    u[r, 32s + 4p + j] >> 4 (u = q + 16), checked on every (input, row) with one bit set at a time."""
+    n, k = 16, 64
+    q = torch.full((n, k), -16, dtype=torch.int8)
+    ks = torch.randperm(k)[:n]  # row r: u = 16 at input ks[r] only
+    q[torch.arange(n), ks] = 0
+    p = W5.pack(q, torch.ones(n, k // 32))
+    hi = p["hiw"][:2 * k * n // 16].view(1, k // 32, 16, 4)
+    for r in range(n):
+        s, p_, j = int(ks[r]) // 32, (int(ks[r]) % 32) // 4, int(ks[r]) % 4
+        want = torch.zeros(k // 32, 4, dtype=torch.uint8)
+        want[s, j] = 1 << p_
+        assert torch.equal(hi[0, :, r, :], want), r
+    assert torch.equal(W5.dequantize_rows(p, torch.arange(n)), q.float())
 
 
 def test_fused_descriptor_matches_apply_in_the_stack():

@@ -20,7 +20,7 @@ def test_registry_and_config_name_the_same_methods():
     assert set(methods.REGISTRY) == set(LINEAR_BACKENDS) - {"auto"}
     assert all(name == m.name for name, m in methods.REGISTRY.items())
     assert linear.FLOAT_BACKENDS == ("torch", "onednn", "native", "native_bf16")
-    assert quant.BACKENDS == {"w8a8": ("w8a8_onednn", "w8a16_int8pack", "w8a8_native", "w6a8_native"),
+    assert quant.BACKENDS == {"w8a8": ("w8a8_onednn", "w8a16_int8pack", "w8a8_native", "w6a8_native", "w5a8_native"),
                               "w4a8": ("w4a8_dynquant", "w4a16_int4pack", "w4a8_native")}
 
 

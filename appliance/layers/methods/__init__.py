@@ -3,7 +3,7 @@
 - ``floating``: ``torch``, ``onednn``, ``native`` (``Linear``)
 - ``int8``: ``w8a8_onednn``, ``w8a16_int8pack``, ``w8a8_native`` (``QuantLinear``, scheme w8a8)
 - ``int4``: ``w4a8_dynquant``, ``w4a16_int4pack`` (``QuantLinear``, scheme w4a8)
-- ``lowbit``: ``w4a8_native`` (scheme w4a8), ``w6a8_native`` (scheme w8a8, values within 6 bits)
+- ``lowbit``: ``w4a8_native`` (scheme w4a8), ``w6a8_native`` and ``w5a8_native`` (scheme w8a8, values within 6 / 5 bits)
 
 Adding a method is one class with ``@register`` in one of these modules (or a new one imported
 here) and its name in ``appliance.config.LINEAR_BACKENDS``, which stays torch-free for validating

@@ -1,14 +1,18 @@
 """Low-bit native methods: ``w4a8_native`` (W4 groups: GGUF Q4_K, Q4_0, Q4_1, AWQ/GPTQ at group
-sizes the kernel takes) and ``w6a8_native`` (W8-scheme groups whose values fit 6 bits: GGUF Q6_K,
-Q5_0, Q5_1, Q5_K, Q3_K, Q2_K).
+sizes the kernel takes), ``w6a8_native`` (W8-scheme groups whose values fit 6 bits: GGUF Q6_K,
+Q5_K, Q3_K, Q2_K) and ``w5a8_native`` (W8-scheme groups of 32 or more whose values fit 5 bits:
+GGUF Q5_0, Q5_1; a layer it takes is not offered to ``w6a8_native`` unless that one would keep its
+K-quant scales).
 
-Both run the native kernels' ``gemm_wlow_a8`` (native/neon_sve/include/appliance_kernels.h,
-``WLowArgs``): weights held as 4-bit (``u = q + 8``) or 6-bit (``u = q + 32``) unsigned values in
-16-row tiles (a nibble plane, plus a 2-bit plane for 6 bits), a float32 scale and an int16 integer
-sum of q per group and, with zero points, a float32 offset ``-zero_point * scale`` per group. Bytes
-per weight held: 4 bits, group 32, with offsets: 0.5 + 10 / 32 = 0.8125 (no offsets: 0.6875); 6
-bits, group 16: 0.75 + 6 / 16 = 1.125 (group 32: 0.9375); against 1 + 8 / G for ``w8a8_native``'s
-int8 tiles with fp32 scale and weight sum (1.5 at group 16, 1.25 at 32).
+All run the native kernels' ``gemm_wlow_a8`` (native/neon_sve/include/appliance_kernels.h,
+``WLowArgs``): weights held as 4-bit (``u = q + 8``), 5-bit (``u = q + 16``) or 6-bit (``u = q + 32``)
+unsigned values in 16-row tiles (a nibble plane, plus a 1-bit plane for 5 bits or a 2-bit plane for
+6), a float32 scale and an int16 integer sum of q per group and, with zero points, a float32 offset
+``-zero_point * scale`` per group. Bytes per weight held: 4 bits, group 32, with offsets: 0.5 + 10 /
+32 = 0.8125 (no offsets: 0.6875); 5 bits, group 32: 0.625 + 6 / 32 = 0.8125 (Q5_0's file: 0.6875;
+with offsets, Q5_1: 0.9375, file 0.75); 6 bits, group 16: 0.75 + 6 / 16 = 1.125 (group 32: 0.9375);
+against 1 + 8 / G for ``w8a8_native``'s int8 tiles with fp32 scale and weight sum (1.5 at group 16,
+1.25 at 32).
 
 GGUF K-quants keep their own scales instead (``pack_kquant``, ``WLowArgs.ksuper``; chosen without
 measuring when a layer has them, ``QuantLinear.preferred_backend``): per super-block of 256 the
@@ -47,11 +51,18 @@ def _native():
     return native
 
 
-def kernel_group(k: int, group_size: int) -> int | None:
-    """The kernel's group for a layer of ``k`` inputs and this group size (``k``: per channel), or None."""
-    if k % 16 or k % group_size:
+def kernel_group(k: int, group_size: int, bits: int = 4) -> int | None:
+    """The kernel's group for a layer of ``k`` inputs and this group size (``k``: per channel), or None.
+    5 bits: a multiple of 32 (the 1-bit plane holds 32 inputs a byte)."""
+    step = 32 if bits == 5 else 16
+    if k % step or k % group_size:
         return None
-    return next((g for g in _GROUPS if group_size % g == 0), None)
+    return next((g for g in _GROUPS if group_size % g == 0 and g % step == 0), None)
+
+
+def centre(bits: int) -> int:
+    """c of ``u = q + c``: the values a ``bits``-bit pack takes are [-c, c - 1]."""
+    return {4: 8, 5: 16, 6: 32}[bits]
 
 
 def _tiles(t: torch.Tensor) -> torch.Tensor:
@@ -62,19 +73,21 @@ def _tiles(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack_lowbit(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, bits: int) -> dict:
-    """The ``WLowArgs`` layout of a canonical weight whose values fit ``bits`` (4: [-8, 7], 6: [-32, 31])."""
+    """The ``WLowArgs`` layout of a canonical weight whose values fit ``bits`` (4: [-8, 7], 5: [-16, 15],
+    6: [-32, 31])."""
     n, k = qweight.shape
-    centre = 8 if bits == 4 else 32
-    lo_q, hi_q = -centre, centre - 1
+    c = centre(bits)
+    lo_q, hi_q = -c, c - 1
     qn = qweight.numpy()  # numpy's int8 min/max are ~100x faster than torch's
     if qn.size and not (int(qn.min()) >= lo_q and int(qn.max()) <= hi_q):
         raise ValueError(f"w{bits}a8_native: weight values must lie in [{lo_q}, {hi_q}]; got "
                          f"[{int(qn.min())}, {int(qn.max())}]")
     g = k // scale.shape[1]
-    kg = kernel_group(k, g)
+    kg = kernel_group(k, g, bits)
     if kg is None:
-        raise ValueError(f"w{bits}a8_native: needs in_features a multiple of 16 and a group a multiple of 16 "
-                         f"(<= 256 per kernel group); got in_features={k}, group={g}")
+        step = 32 if bits == 5 else 16
+        raise ValueError(f"w{bits}a8_native: needs in_features a multiple of {step} and a group a multiple of "
+                         f"{step} (<= 256 per kernel group); got in_features={k}, group={g}")
     lo, hi, qsum = _native().pack_wlow_planes(qweight, bits, kg)
     s = scale.float().repeat_interleave(g // kg, dim=1)
     off = offset(scale, zero_point)
@@ -82,7 +95,7 @@ def pack_lowbit(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Te
         off = off.repeat_interleave(g // kg, dim=1)
     # the integer sum of q per kernel group (|sum| <= 32 * 256: int16), for the activations' zero point
     wsum = _tiles(qsum).to(torch.int16)
-    # one uint8 tensor: the 2-bit plane (6 bits), then the group sums (the kernel's hiw)
+    # one uint8 tensor: the 2-bit plane (6 bits) or 1-bit plane (5 bits), then the group sums (the kernel's hiw)
     hiw = torch.cat([hi.reshape(-1), wsum.reshape(-1).view(torch.uint8)])
     return {"lo": lo, "hiw": hiw, "scale": _tiles(s), "offset": None if off is None else _tiles(off),
             "group": kg, "bits": bits, "n": n, "k": k}
@@ -99,6 +112,8 @@ def pack_kquant(qweight: torch.Tensor, t: dict, bits: int) -> dict:
     fp32 scale (and min)."""
     n, k = qweight.shape
     g, sb = t["group"], t["super"]
+    if bits not in (4, 6):
+        raise ValueError(f"w{bits}a8_native: K-quant scales are kept at 4 or 6 bits only; got bits={bits}")
     if kernel_group(k, g) != g or sb % g or k % sb:
         raise ValueError(f"w{bits}a8_native: K-quant scales need group a multiple of 16 (<= 256) and a super-block "
                          f"a multiple of it dividing in_features; got group={g}, super={sb}, in_features={k}")
@@ -161,12 +176,14 @@ def group_offsets(p: dict) -> torch.Tensor | None:
 
 
 def _planes(p: dict) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Views of ``hiw``: the 2-bit plane [tiles, K/16, 16, 4] (None for 4 bits) and the int16 group sums."""
+    """Views of ``hiw``: the 2-bit plane [tiles, K/16, 16, 4] (6 bits), the 1-bit plane [tiles, K/32, 16, 4]
+    (5 bits) or None (4 bits), and the int16 group sums."""
     tiles, k = p["lo"].shape[0], p["k"]
     if "kf" in p:  # K-quant pack: the plane alone, no group sums
         return (p["hi"].view(tiles, k // 16, 16, 4) if p["bits"] == 6 else None), torch.empty(0, dtype=torch.int16)
-    hb = tiles * 4 * k if p["bits"] == 6 else 0
-    hi = p["hiw"][:hb].view(tiles, k // 16, 16, 4) if hb else None
+    per = {4: 0, 5: 32, 6: 16}[p["bits"]]  # inputs per 64 bytes of a tile's plane
+    hb = tiles * 64 * (k // per) if per else 0
+    hi = p["hiw"][:hb].view(tiles, k // per, 16, 4) if hb else None
     return hi, p["hiw"][hb:].view(torch.int16)
 
 
@@ -181,11 +198,11 @@ class _LowBit(QuantMethod):
         return native_extension_problem()
 
     def takes(self, n, k, group_size):
-        return kernel_group(k, group_size) is not None
+        return kernel_group(k, group_size, self.bits) is not None
 
     def takes_values(self, qweight: torch.Tensor) -> bool:
         """Whether every value of this canonical weight fits the method's bits."""
-        c = 8 if self.bits == 4 else 32
+        c = centre(self.bits)
         q = qweight.numpy()
         return q.size == 0 or (int(q.min()) >= -c and int(q.max()) <= c - 1)
 
@@ -226,10 +243,13 @@ class _LowBit(QuantMethod):
         u = torch.stack([lo & 15, lo >> 4], dim=2).reshape(len(ids), -1)  # [R, K]: 8s + 4h + j
         hi_plane, _ = _planes(p)
         if hi_plane is not None:
-            hi = hi_plane[tile, :, r, :].to(torch.int16)  # [R, K/16, 4]
-            h = torch.stack([(hi >> (2 * q)) & 3 for q in range(4)], dim=2).reshape(len(ids), -1)
+            hi = hi_plane[tile, :, r, :].to(torch.int16)  # [R, K/16, 4] (6 bits) or [R, K/32, 4] (5 bits)
+            if p["bits"] == 6:
+                h = torch.stack([(hi >> (2 * q)) & 3 for q in range(4)], dim=2).reshape(len(ids), -1)
+            else:  # bit q of byte j of 32-input step s: input 32s + 4q + j
+                h = torch.stack([(hi >> q) & 1 for q in range(8)], dim=2).reshape(len(ids), -1)
             u = u | (h << 4)
-        q = (u - (8 if p["bits"] == 4 else 32)).double()
+        q = (u - centre(p["bits"])).double()
         g = p["group"]
         if "kf" in p:  # w = sup sub (q + shift) - supmin submin, in fp64, rounded once
             shift, sup, sub, supmin, submin = _kq_tables(p)
@@ -270,3 +290,19 @@ class W6A8Native(_LowBit):
     name = "w6a8_native"
     scheme = "w8a8"
     bits = 6
+
+
+@register
+class W5A8Native(_LowBit):
+    """W8-scheme groups (multiples of 32) whose values fit 5 bits ([-16, 15]: GGUF Q5_0, Q5_1) on
+    ``gemm_wlow_a8``, 5 bits a weight: a 1-bit plane beside the nibbles, 0.125 B/weight less than
+    ``w6a8_native`` (issue 14: Q5_0, llama.cpp's fallback when a row is not a multiple of 256, was
+    held at 1.36x its file size). K-quant scales are not kept at 5 bits (``takes_kquant``: Q5_K stays
+    on ``w6a8_native``'s)."""
+
+    name = "w5a8_native"
+    scheme = "w8a8"
+    bits = 5
+
+    def takes_kquant(self, qweight: torch.Tensor, t: dict) -> bool:
+        return False

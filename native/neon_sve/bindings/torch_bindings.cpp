@@ -230,14 +230,16 @@ torch::Tensor gemm_wlow_a8(const torch::Tensor& x, const torch::Tensor& lo, cons
                            int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "gemm_wlow_a8: x contiguous float32 [M, K]");
   const int64_t m = x.size(0), k = x.size(1), tiles = (n + 15) / 16;
-  TORCH_CHECK(bits == 4 || bits == 6, "gemm_wlow_a8: bits must be 4 or 6; got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6, "gemm_wlow_a8: bits must be 4, 5 or 6; got ", bits);
   TORCH_CHECK(k % 16 == 0 && group % 16 == 0 && group <= 256 && k % group == 0,
               "gemm_wlow_a8: group must be a multiple of 16, <= 256, dividing K (a multiple of 16); got group ", group, " for K ", k);
+  TORCH_CHECK(bits != 5 || group % 32 == 0, "gemm_wlow_a8: 5 bits need group a multiple of 32; got group ", group);
   TORCH_CHECK(lo.scalar_type() == torch::kUInt8 && lo.is_contiguous() && lo.numel() == tiles * 8 * k,
               "gemm_wlow_a8: lo uint8 [ceil(N/16), K/8, 16, 4]");
-  const int64_t hi_bytes = bits == 6 ? tiles * 4 * k : 0, groups = k / group;
+  const int64_t hi_bytes = tiles * (bits == 6 ? 4 * k : bits == 5 ? 2 * k : 0), groups = k / group;
   TORCH_CHECK(hiw.scalar_type() == torch::kUInt8 && hiw.is_contiguous() && hiw.numel() == hi_bytes + tiles * groups * 16 * 2,
-              "gemm_wlow_a8: hiw uint8: the 2-bit plane [ceil(N/16), K/16, 16, 4] (6 bits) then int16 [ceil(N/16), K/G, 16]");
+              "gemm_wlow_a8: hiw uint8: the 2-bit plane [ceil(N/16), K/16, 16, 4] (6 bits) or the 1-bit plane "
+              "[ceil(N/16), K/32, 16, 4] (5 bits), then int16 [ceil(N/16), K/G, 16]");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == tiles * groups * 16,
               "gemm_wlow_a8: scale float32 [ceil(N/16), K/G, 16]");
   TORCH_CHECK(!offset.numel() || (offset.scalar_type() == torch::kFloat32 && offset.is_contiguous() &&
@@ -250,7 +252,7 @@ torch::Tensor gemm_wlow_a8(const torch::Tensor& x, const torch::Tensor& lo, cons
   a.K = k;
   a.N = n;
   a.lo = lo.data_ptr<uint8_t>();
-  a.hi = bits == 6 ? hiw.data_ptr<uint8_t>() : nullptr;
+  a.hi = bits != 4 ? hiw.data_ptr<uint8_t>() : nullptr;
   a.wsum = reinterpret_cast<const int16_t*>(hiw.data_ptr<uint8_t>() + hi_bytes);
   a.scale = scale.data_ptr<float>();
   a.offset = offset.numel() ? offset.data_ptr<float>() : nullptr;
@@ -262,28 +264,30 @@ torch::Tensor gemm_wlow_a8(const torch::Tensor& x, const torch::Tensor& lo, cons
 }
 
 // The WLowArgs planes of a canonical low-bit weight (appliance/layers/methods/lowbit.py, pack_lowbit
-// and pack_kquant): q int8 [N, K] with values in [-c, c) (c = 8 for 4 bits, 32 for 6; the caller
-// checks), stored as u = q + c in 16-row tiles, rows past N holding q = 0. Returns lo uint8
+// and pack_kquant): q int8 [N, K] with values in [-c, c) (c = 8 for 4 bits, 16 for 5, 32 for 6; the
+// caller checks), stored as u = q + c in 16-row tiles, rows past N holding q = 0. Returns lo uint8
 // [T, K/8, 16, 4] (byte j of 16-input step s, row r: u[16t + r, 8s + j] low nibble, u[.., 8s + 4 + j]
 // high nibble), hi uint8 [T, K/16, 16, 4] (6 bits: bits 2p..2p+1 of byte j hold u[16t + r, 16s + 4p + j]
-// >> 4; empty for 4 bits) and qsum int32 [16 T, K/group], the sum of q per group (0 on padding rows).
+// >> 4), [T, K/32, 16, 4] (5 bits, K a multiple of 32: bit p of byte j holds u[16t + r, 32s + 4p + j] >> 4)
+// or empty (4 bits), and qsum int32 [16 T, K/group], the sum of q per group (0 on padding rows).
 // A layout transform at load, one pass in parallel over tiles: numpy's strided uint8 operations
 // took most of a GGUF's warm start.
 std::vector<torch::Tensor> pack_wlow_planes(const torch::Tensor& q, int64_t bits, int64_t group) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.is_contiguous(), "pack_wlow_planes: q contiguous int8 [N, K]");
-  TORCH_CHECK(bits == 4 || bits == 6, "pack_wlow_planes: bits must be 4 or 6; got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6, "pack_wlow_planes: bits must be 4, 5 or 6; got ", bits);
   const int64_t n = q.size(0), k = q.size(1), tiles = (n + 15) / 16;
-  TORCH_CHECK(k % 16 == 0 && group > 0 && k % group == 0,
-              "pack_wlow_planes: K must be a multiple of 16 and of the group; got K ", k, ", group ", group);
+  TORCH_CHECK(k % (bits == 5 ? 32 : 16) == 0 && group > 0 && k % group == 0,
+              "pack_wlow_planes: K must be a multiple of ", bits == 5 ? 32 : 16, " and of the group; got K ", k,
+              ", group ", group);
   auto u8 = torch::TensorOptions().dtype(torch::kUInt8);
   auto lo = torch::empty({tiles, k / 8, 16, 4}, u8);
-  auto hi = torch::empty({bits == 6 ? tiles : 0, k / 16, 16, 4}, u8);
+  auto hi = bits == 5 ? torch::empty({tiles, k / 32, 16, 4}, u8) : torch::empty({bits == 6 ? tiles : 0, k / 16, 16, 4}, u8);
   auto qsum = torch::zeros({tiles * 16, k / group}, torch::TensorOptions().dtype(torch::kInt32));
   const int8_t* qp = q.data_ptr<int8_t>();
   uint8_t* lop = lo.data_ptr<uint8_t>();
-  uint8_t* hip = bits == 6 ? hi.data_ptr<uint8_t>() : nullptr;
+  uint8_t* hip = bits != 4 ? hi.data_ptr<uint8_t>() : nullptr;
   int32_t* sp = qsum.data_ptr<int32_t>();
-  const int c = bits == 4 ? 8 : 32;
+  const int c = bits == 4 ? 8 : bits == 5 ? 16 : 32;
   const int64_t groups = k / group;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<uint8_t> u(16 * k);
@@ -312,6 +316,20 @@ std::vector<torch::Tensor> pack_wlow_planes(const torch::Tensor& q, int64_t bits
           for (int j = 0; j < 4; ++j) o[j] = (uint8_t)((ur[j] & 15) | ((ur[4 + j] & 15) << 4));
         }
       if (!hip) continue;
+      if (bits == 5) {
+        uint8_t* ht = hip + t * 2 * k;  // [K/32, 16, 4]
+        for (int64_t s = 0; s < k / 32; ++s)
+          for (int r = 0; r < 16; ++r) {
+            const uint8_t* ur = u.data() + r * k + 32 * s;
+            uint8_t* o = ht + (s * 16 + r) * 4;
+            for (int j = 0; j < 4; ++j) {
+              uint8_t v = 0;
+              for (int p = 0; p < 8; ++p) v = (uint8_t)(v | (((ur[4 * p + j] >> 4) & 1) << p));
+              o[j] = v;
+            }
+          }
+        continue;
+      }
       uint8_t* ht = hip + t * 4 * k;  // [K/16, 16, 4]
       for (int64_t s = 0; s < k / 16; ++s)
         for (int r = 0; r < 16; ++r) {
@@ -923,15 +941,16 @@ torch::Tensor moe_experts(const torch::Tensor& x_in, const torch::Tensor& ids_in
         qws[which][e] = lin[3].data_ptr<float>();
         qm128[which][e] = ki[2] != 0;
       } else {
-        TORCH_CHECK(bits == 4 || bits == 6, "moe_experts: expert ", e, " bits must be 4 or 6; got ", bits);
+        TORCH_CHECK(bits == 4 || bits == 5 || bits == 6, "moe_experts: expert ", e, " bits must be 4, 5 or 6; got ", bits);
+        TORCH_CHECK(bits != 5 || group % 32 == 0, "moe_experts: expert ", e, " 5 bits need group a multiple of 32; got ", group);
         TORCH_CHECK(lin[0].scalar_type() == torch::kUInt8 && lin[0].is_contiguous() && lin[0].numel() == tiles * 8 * K,
                     "moe_experts: expert ", e, " lo uint8 [", tiles, ", ", K / 8, ", 16, 4]");
-        const int64_t hi_bytes = bits == 6 ? tiles * 4 * K : 0;
+        const int64_t hi_bytes = tiles * (bits == 6 ? 4 * K : bits == 5 ? 2 * K : 0);
         TORCH_CHECK(lin[2].scalar_type() == torch::kUInt8 && lin[2].is_contiguous() &&
                         lin[2].numel() == hi_bytes + tiles * groups * 16 * 2,
-                    "moe_experts: expert ", e, " hiw uint8: the 2-bit plane (6 bits) then int16 group sums");
+                    "moe_experts: expert ", e, " hiw uint8: the 2-bit (6 bits) or 1-bit (5 bits) plane then int16 group sums");
         qw[which][e] = lin[0].data_ptr<uint8_t>();
-        qhi[which][e] = bits == 6 ? lin[2].data_ptr<uint8_t>() : nullptr;
+        qhi[which][e] = bits != 4 ? lin[2].data_ptr<uint8_t>() : nullptr;
         qws[which][e] = lin[2].data_ptr<uint8_t>() + hi_bytes;
         if (lin[4].numel()) {
           TORCH_CHECK(lin[4].scalar_type() == torch::kFloat32 && lin[4].is_contiguous() &&

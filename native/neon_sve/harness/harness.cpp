@@ -405,14 +405,21 @@ struct ActQuant {
 };
 
 // Row n of low-bit weights q (u = q + ctr) into gemm_wlow_a8's nibble plane lo and 2-bit plane hi.
+// ctr 32: 6 bits (a 2-bit plane, 16 inputs per 4 bytes of a row); 16: 5 bits (a 1-bit plane, 32
+// inputs per 4 bytes); 8: 4 bits (hi untouched).
 void pack_wlow_row(const int* q, int n, int K, int ctr, uint8_t* lo, uint8_t* hi) {
   const int t = n / 16, r = n % 16;
   for (int k = 0; k < K; ++k) {
     const int u = q[k] + ctr;
     const int s8 = k / 8, j = k % 4, half = (k % 8) / 4;
     lo[(((size_t)t * (K / 8) + s8) * 16 + r) * 4 + j] |= (uint8_t)((u & 15) << (4 * half));
-    const int s16 = k / 16, p = (k % 16) / 4;
-    hi[(((size_t)t * (K / 16) + s16) * 16 + r) * 4 + j] |= (uint8_t)((u >> 4) << (2 * p));
+    if (ctr == 32) {
+      const int s16 = k / 16, p = (k % 16) / 4;
+      hi[(((size_t)t * (K / 16) + s16) * 16 + r) * 4 + j] |= (uint8_t)((u >> 4) << (2 * p));
+    } else if (ctr == 16) {
+      const int s32 = k / 32, p = (k % 32) / 4;
+      hi[(((size_t)t * (K / 32) + s32) * 16 + r) * 4 + j] |= (uint8_t)((u >> 4) << p);
+    }
   }
 }
 
@@ -494,7 +501,7 @@ void check_w8g(const std::vector<const KernelTable*>& variants) {
 }
 
 // ------------------------------------------------------------------------------------------
-// Low-bit weights (gemm_wlow_a8, 4 and 6 bits, with and without offsets) against a double-precision
+// Low-bit weights (gemm_wlow_a8, 4, 5 and 6 bits, with and without offsets) against a double-precision
 // reference of the same quantized math. Extremes: every weight at the top or bottom of its range and
 // activations coded 127 / -128, so that no clipped integer sum could hide.
 
@@ -502,10 +509,14 @@ void check_wlow(const std::vector<const KernelTable*>& variants) {
   struct Case { int M, N, K, G, bits; bool off; int extreme; };
   const Case cases[] = {{1, 37, 256, 32, 4, true, 0}, {3, 40, 896, 32, 4, true, 0}, {9, 33, 512, 32, 4, false, 0},
                         {1, 17, 256, 16, 6, false, 0}, {5, 48, 768, 16, 6, false, 0}, {2, 20, 512, 32, 4, true, 1},
-                        {3, 16, 512, 16, 6, false, 1}, {1, 64, 4864, 32, 4, true, 0}};
+                        {3, 16, 512, 16, 6, false, 1}, {1, 64, 4864, 32, 4, true, 0},
+                        // 5 bits (GGUF Q5_0 / Q5_1: groups of 32, or more): decode and prefill rows,
+                        // offsets, a group of 64, the extremes
+                        {1, 37, 256, 32, 5, false, 0}, {6, 40, 896, 32, 5, true, 0}, {3, 33, 512, 64, 5, false, 0},
+                        {2, 20, 512, 32, 5, true, 1}, {5, 16, 4864, 32, 5, false, 1}};
   Rng rng(13);
   for (const Case& c : cases) {
-    const int tiles = (c.N + 15) / 16, groups = c.K / c.G, ctr = c.bits == 6 ? 32 : 8;
+    const int tiles = (c.N + 15) / 16, groups = c.K / c.G, ctr = c.bits == 6 ? 32 : c.bits == 5 ? 16 : 8;
     std::vector<int> q((size_t)c.N * c.K);
     std::vector<float> sc((size_t)c.N * groups), off((size_t)c.N * groups), x((size_t)c.M * c.K);
     for (auto& v : q) v = (int)(rng.next() % (2 * ctr)) - ctr;
@@ -561,7 +572,7 @@ void check_wlow(const std::vector<const KernelTable*>& variants) {
     const double tol = 2e-5 * mx * std::sqrt(c.K / 576.0) + 1e-6;
     for (const KernelTable* kt : variants) {
       std::vector<float> out((size_t)c.M * c.N, -1.f);
-      WLowArgs a{x.data(), c.M, c.K, c.N, lo.data(), c.bits == 6 ? hi.data() : nullptr, ps.data(),
+      WLowArgs a{x.data(), c.M, c.K, c.N, lo.data(), c.bits != 4 ? hi.data() : nullptr, ps.data(),
                  c.off ? po.data() : nullptr, c.G, c.bits, out.data(), pws.data()};
       kt->gemm_wlow_a8(a);
       double err;
@@ -826,7 +837,7 @@ void check_moe(const std::vector<const KernelTable*>& variants) {
 // moe_q runs the same work items over the same row blocks. Experts of 0, 1, 9 (a whole block of 8
 // and one more) and 3 rows; tokens repeated across experts (each quantized once in moe_q); gate/up
 // W8G with some q = -128 (the AVX2 exact fallback) and down W8G, then both low-bit (4 bits with
-// offsets; 6 bits), then GGUF K-quant scales (WLowArgs' ksuper: gate/up 4 bits with row shifts and
+// offsets; 6 bits; 5 bits), then GGUF K-quant scales (WLowArgs' ksuper: gate/up 4 bits with row shifts and
 // mins as Q4_K, one expert without shifts; down 6 bits with int8 sub-scales to -128 and no mins, as
 // Q6_K; groups of 16 in super-blocks of 32), activations with a 1e3 outlier.
 
@@ -842,10 +853,10 @@ void check_moe_q(const std::vector<const KernelTable*>& variants) {
   std::vector<float> x((size_t)T * H);
   for (auto& v : x) v = rng.normal();
   x[5 * H + 7] = 1e3f;
-  for (int mode = 0; mode < 4; ++mode) {  // 0: W8G, 1: 4-bit with offsets, 2: 6-bit, 3: K-quant scales
+  for (int mode = 0; mode < 5; ++mode) {  // 0: W8G, 1: 4-bit with offsets, 2: 6-bit, 3: K-quant scales, 4: 5-bit
     const bool kq = mode == 3;
     const int G = kq ? 16 : 32;
-    auto bits_of = [&](int p) { return mode == 1 || (kq && !p) ? 4 : 6; };
+    auto bits_of = [&](int p) { return mode == 1 || (kq && !p) ? 4 : mode == 4 ? 5 : 6; };
     // K-quant flags per expert and projection: gate/up shifts (not expert 3's) and mins; down none
     auto flags_of = [&](int e, int p) { return !kq || p ? 0 : (e == 3 ? 0 : 1) | 2; };
     // per expert and projection (0 gate/up [2I, H], 1 down [H, I]) the packed tensors
@@ -857,7 +868,7 @@ void check_moe_q(const std::vector<const KernelTable*>& variants) {
     for (int e = 0; e < E; ++e)
       for (int p = 0; p < 2; ++p) {
         const int N = p ? H : 2 * I, K = p ? I : H, tiles = (N + 15) / 16, groups = K / G, supers = K / S;
-        const int i = 2 * e + p, ctr = bits_of(p) == 6 ? 32 : 8, fl = flags_of(e, p);
+        const int i = 2 * e + p, ctr = bits_of(p) == 6 ? 32 : bits_of(p) == 5 ? 16 : 8, fl = flags_of(e, p);
         sc[i].assign((size_t)tiles * groups * 16, 0.f);
         off[i].assign((size_t)tiles * groups * 16, 0.f);
         ws[i].assign((size_t)tiles * groups * 16, 0.f);
@@ -931,7 +942,7 @@ void check_moe_q(const std::vector<const KernelTable*>& variants) {
             W8GArgs a{src, n, K, N, w8[i].data(), sc[i].data(), ws[i].data(), G, m128[i] != 0, out};
             kt->gemm_w8g_a8(a);
           } else {
-            WLowArgs a{src, n, K, N, lo[i].data(), bits == 6 ? hi[i].data() : nullptr, sc[i].data(),
+            WLowArgs a{src, n, K, N, lo[i].data(), bits != 4 ? hi[i].data() : nullptr, sc[i].data(),
                        mode == 1 ? off[i].data() : nullptr, G, bits, out, ws16[i].data()};
             if (kq) {
               a.scale = nullptr, a.wsum = nullptr;
@@ -964,7 +975,7 @@ void check_moe_q(const std::vector<const KernelTable*>& variants) {
           const int i = 2 * e + p, fl = flags_of(e, p);
           pw[p][e] = mode ? (const void*)lo[i].data() : (const void*)w8[i].data();
           pws[p][e] = kq ? nullptr : mode ? (const void*)ws16[i].data() : (const void*)ws[i].data();
-          phi[p][e] = bits_of(p) == 6 && mode ? hi[i].data() : nullptr;
+          phi[p][e] = bits_of(p) != 4 && mode ? hi[i].data() : nullptr;
           psc[p][e] = kq ? nullptr : sc[i].data();
           poff[p][e] = mode == 1 ? off[i].data() : nullptr;
           pm[p][e] = m128[i];
@@ -999,7 +1010,8 @@ void check_moe_q(const std::vector<const KernelTable*>& variants) {
         err = std::max(err, (double)std::fabs(y[j] - want[j]));
       }
       static const char* names[] = {"G=32 W8G (q = -128 included)", "G=32 4-bit with offsets", "G=32 6-bit",
-                                    "G=16 S=32 K-quant (gate/up Q4_K-like with shifts and mins, down Q6_K-like)"};
+                                    "G=16 S=32 K-quant (gate/up Q4_K-like with shifts and mins, down Q6_K-like)",
+                                    "G=32 5-bit"};
       report(ok, kt->name, std::string("moe_q E=5 rows 3,0,1,9,4 H=96 I=64 ") + names[mode] +
                                " == the per-expert calls", err);
     }

@@ -80,13 +80,15 @@ struct W8GArgs {
   float* out;           // [M, N] fp32, contiguous
 };
 
-// Low-bit (4- or 6-bit) weights, group-wise scales and optional per-group offsets, int8 activations
-// (gemm_wlow_a8: GGUF Q4_K / Q4_0 / Q4_1 and Q6_K kept at about their size in the file). Weights are
-// held as u = q + c (c = 8 for 4 bits, q in [-8, 7]; c = 32 for 6 bits, q in [-32, 31]) in the
-// 16-row tiles of W8GArgs (appliance/layers/methods/lowbit.py packs them):
+// Low-bit (4-, 5- or 6-bit) weights, group-wise scales and optional per-group offsets, int8 activations
+// (gemm_wlow_a8: GGUF Q4_K / Q4_0 / Q4_1, Q5_0 and Q6_K kept at about their size in the file). Weights
+// are held as u = q + c (c = 8 for 4 bits, q in [-8, 7]; c = 16 for 5 bits, q in [-16, 15]; c = 32 for
+// 6 bits, q in [-32, 31]) in the 16-row tiles of W8GArgs (appliance/layers/methods/lowbit.py packs them):
 //   lo     uint8 [ceil(N/16)][K/8][16][4]: tile t, step s, row r, byte j: low nibble = low 4 bits of
 //          u[16t + r, 8s + j], high nibble = low 4 bits of u[16t + r, 8s + 4 + j];
-//   hi     (6 bits only) uint8 [ceil(N/16)][K/16][16][4]: bits 2p..2p+1 of byte j = u[.., 16s + 4p + j] >> 4;
+//   hi     6 bits: uint8 [ceil(N/16)][K/16][16][4]: bits 2p..2p+1 of byte j = u[.., 16s + 4p + j] >> 4;
+//          5 bits (K and G multiples of 32): uint8 [ceil(N/16)][K/32][16][4]: bit p (0..7) of byte j =
+//          u[.., 32s + 4p + j] >> 4 (wlow_hi_tile_bytes: a tile's bytes); null for 4 bits;
 //   scale  fp32 [ceil(N/16)][K/G][16]; offset fp32 [ceil(N/16)][K/G][16] or null.
 // The weight is w[n, k] = scale[n, g] * q[n, k] + offset[n, g] (offset = -zero_point * scale). Per
 // token m and row n:
@@ -103,8 +105,8 @@ struct WLowArgs {
   const uint8_t* hi;     // null for 4 bits
   const float* scale;
   const float* offset;   // null: no offsets
-  int group;             // G: a multiple of 16, at most 256
-  int bits;              // 4 or 6
+  int group;             // G: a multiple of 16 (of 32 for 5 bits), at most 256
+  int bits;              // 4, 5 or 6
   float* out;            // [M, N] fp32, contiguous
   const int16_t* wsum;   // [ceil(N/16)][K/G][16]: the group's integer sum of q (|sum| <= 32 * 256)
   // K-quant scales (ksuper > 0; scale, offset and wsum are then unused): a GGUF K-quant's own

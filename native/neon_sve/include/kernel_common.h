@@ -94,12 +94,16 @@ struct W8GBlock {
   bool has_m128;        // some q == -128 in the weights
 };
 
+// Low-bit weights (WLowArgs): the centre c of u = q + c, and a 16-row tile's bytes in the hi plane.
+inline int wlow_centre(int bits) { return bits == 6 ? 32 : bits == 5 ? 16 : 8; }
+inline int64_t wlow_hi_tile_bytes(int bits, int64_t K) { return bits == 6 ? 4 * K : bits == 5 ? 2 * K : 0; }
+
 // One chunk [k0, k0 + kc) of a 16-row tile of low-bit weights (WLowArgs) against T tokens, added to
 // acc[t * 16 + r] before the token's scale: acc += sum_g scale[g][r] * (sum_k xq q - zp wsum[g][r]).
 struct WLowBlock {
   const uint8_t* lo;     // the tile's nibble plane, [K/8][16][4]
-  const uint8_t* hi;     // the tile's 2-bit plane [K/16][16][4], or null (4 bits)
-  int64_t k0, kc;        // k0 and kc multiples of G (and of 16)
+  const uint8_t* hi;     // the tile's 2-bit plane [K/16][16][4] (6 bits), 1-bit plane [K/32][16][4] (5 bits) or null
+  int64_t k0, kc;        // k0 and kc multiples of G (and of 16; of 32 for 5 bits)
   int G, bits;
   const int8_t* x;       // token 0's int8 xq from input k0; token t at x + t * ldx
   int64_t ldx;

@@ -884,7 +884,7 @@ constexpr int64_t kWLowBlockBytes = 1 << 18;
 #ifndef AK_WLOW_FAST
 // Unpack inputs [k0, k0 + kc) of one tile into q (gemm_w8g_a8's [kc/4][16][4] int8 layout).
 static void wlow_unpack(const uint8_t* lo, const uint8_t* hi, int bits, int64_t k0, int64_t kc, int8_t* q) {
-  const int c = bits == 6 ? 32 : 8;
+  const int c = wlow_centre(bits);
   const uint8_t* l = lo + (k0 / 8) * 64;
   for (int64_t s = 0; s < kc / 8; ++s) {
     const uint8_t* v = l + s * 64;
@@ -902,6 +902,15 @@ static void wlow_unpack(const uint8_t* lo, const uint8_t* hi, int bits, int64_t 
       for (int p = 0; p < 4; ++p) {
         int8_t* a = q + (4 * s + p) * 64;
         for (int i = 0; i < 64; ++i) a[i] = (int8_t)(a[i] + (((v[i] >> (2 * p)) & 3) << 4));
+      }
+    }
+  } else if (bits == 5) {  // bit p of the 32-input step's byte: u >> 4 of its 4-input step p (k0, kc multiples of 32)
+    const uint8_t* h = hi + (k0 / 32) * 64;
+    for (int64_t s = 0; s < kc / 32; ++s) {
+      const uint8_t* v = h + s * 64;
+      for (int p = 0; p < 8; ++p) {
+        int8_t* a = q + (8 * s + p) * 64;
+        for (int i = 0; i < 64; ++i) a[i] = (int8_t)(a[i] + (((v[i] >> p) & 1) << 4));
       }
     }
   }
@@ -1061,7 +1070,7 @@ static void gemm_wlow_a8(const WLowArgs& a) {
       for (int64_t k0 = 0; k0 < K; k0 += chunk) {
         WLowBlock b;
         b.lo = a.lo + tile * 8 * K;
-        b.hi = a.hi ? a.hi + tile * 4 * K : nullptr;
+        b.hi = a.hi ? a.hi + tile * wlow_hi_tile_bytes(a.bits, K) : nullptr;
         b.k0 = k0;
         b.kc = std::min(chunk, K - k0);
         b.G = (int)G;
@@ -1100,7 +1109,7 @@ static void gemm_wlow_a8(const WLowArgs& a) {
       const int64_t tile = i / blocks, m0 = (i % blocks) * kW8GTokens;
       const int T = (int)std::min<int64_t>(kW8GTokens, M - m0);
       const uint8_t* lo = a.lo + tile * 8 * K;
-      const uint8_t* hi = a.hi ? a.hi + tile * 4 * K : nullptr;
+      const uint8_t* hi = a.hi ? a.hi + tile * wlow_hi_tile_bytes(a.bits, K) : nullptr;
       for (int j = 0; j < 16 * T; ++j) acc.data()[j] = 0.f;
       for (int64_t k0 = 0; k0 < K; k0 += chunk) {
         const int64_t kc = std::min(chunk, K - k0);
@@ -1407,7 +1416,7 @@ static void moe_q_tile(const MoeQProj& p, int64_t e, int64_t tile, int64_t K, in
     return;
   }
   const uint8_t* lo = static_cast<const uint8_t*>(p.w[e]) + tile * 8 * K;
-  const uint8_t* hi = p.hi[e] ? p.hi[e] + tile * 4 * K : nullptr;
+  const uint8_t* hi = p.hi[e] ? p.hi[e] + tile * wlow_hi_tile_bytes(p.bits, K) : nullptr;
   // K-quant scales: the chunk's fp32 group scales formed in L1 (s.ksc) and the tile's offsets (s.koff)
   // as gemm_wlow_a8 forms them; q's group sums taken as zero, the zero point met by krowsum in finish
   const bool kq = p.ksuper > 0;
