@@ -68,6 +68,11 @@ class LinearBase(nn.Module):
         random weights of this shape."""
         raise NotImplementedError
 
+    def held_bytes(self, candidates: list[str]) -> dict[str, int]:
+        """Bytes each candidate would hold for this layer (as timed by ``measure``); empty when they
+        do not differ enough to matter (float layers)."""
+        return {}
+
     def set_backend(self, name: str) -> None:
         raise NotImplementedError
 
@@ -226,6 +231,24 @@ def relative_cost(fns: dict[str, dict[int, object]], timer) -> dict[str, float]:
     return _scores(best)
 
 
+# Candidates scoring within this fraction of the fastest count as equally fast (timing a shared host
+# moves 10-30%); of those, the one holding the fewest bytes wins. A GGUF Q5_0 layer then stays in its
+# 5-bit form (0.81 B/weight) rather than going to int8 (1.25 B/weight) on a timing coin toss, and
+# decode, which reads every weight once per token, reads fewer bytes.
+_MEMORY_MARGIN = 0.10
+
+
+def choose(cost: dict[str, float], held: dict[str, int] | None = None) -> str:
+    """The candidate to run: the fastest by ``relative_cost``, or, among those within
+    ``_MEMORY_MARGIN`` of it, the one with the fewest ``held`` bytes (ties: the faster)."""
+    fastest = min(cost, key=cost.get)
+    if not held:
+        return fastest
+    limit = cost[fastest] + _MEMORY_MARGIN * abs(cost[fastest])
+    near = [c for c in cost if cost[c] <= limit and c in held]
+    return min(near, key=lambda c: (held[c], cost[c])) if near else fastest
+
+
 def _scores(best: dict[str, dict[int, float]]) -> dict[str, float]:
     sizes = {m for per in best.values() for m in per}
     ref = {m: min(best[c][m] for c in best if m in best[c]) for m in sizes}
@@ -355,8 +378,10 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
         ckey = f"{host}{rows_key}|{key}"
         if ckey not in cache or cache[ckey] not in cands:
             times = m.measure(cands, rows, _time)
-            cache[ckey] = min(times, key=times.get)
-            log.info("linear %s: relative cost %s -> %s", key, {k: f"{v:.2f}" for k, v in times.items()},
+            held = m.held_bytes(cands)
+            cache[ckey] = choose(times, held)
+            log.info("linear %s: relative cost %s%s -> %s", key, {k: f"{v:.2f}" for k, v in times.items()},
+                     f", MiB held {({k: round(v / 2**20, 2) for k, v in held.items()})}" if held else "",
                      cache[ckey])
             dirty = True
         choices[key] = chosen[id(m)] = cache[ckey]

@@ -270,15 +270,22 @@ class QuantLinear(LinearBase):
         qw, s, *zp = quantize_int8(w) if self.scheme == "w8a8" else quantize_int4(w, self.group_size)
         if self.scheme == "w8a8" and self.group_size != k:  # time the layer's own group size
             s = s.repeat_interleave(k // self.group_size, dim=1)
-        fns = {}
+        fns, held = {}, {}
         for name in candidates:
             m = methods.get(name)
             # timing does not depend on the values: a method taking fewer bits gets them clamped
             c = 1 << (getattr(m, "bits", 8) - 1)
             p = pack(name, qw.clamp(-c, c - 1) if self.scheme == "w8a8" and c < 128 else qw, s, *zp)
+            held[name] = packed_bytes(p)
             xs = {m: torch.randn(m, k) for m in rows}  # not timed
             fns[name] = {m: (lambda x=xs[m], b=name, p=p: run(b, p, x, n, k)) for m in rows}
+        self.__dict__["_timed_bytes"] = held
         return relative_cost(fns, timer)
+
+    def held_bytes(self, candidates: list[str]) -> dict[str, int]:
+        """The bytes each candidate's packing of this shape held when ``measure`` timed it."""
+        held = self.__dict__.pop("_timed_bytes", {})
+        return {c: held[c] for c in candidates if c in held}
 
     def set_backend(self, name: str) -> None:
         if self.qweight.numel() == 0:

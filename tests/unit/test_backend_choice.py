@@ -1,7 +1,19 @@
 """How ``auto`` compares linear backends: interleaved rounds, each batch size counted alike."""
 from __future__ import annotations
 
+import pytest
+
 from appliance.layers import linear
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _native_loaded():
+    """The native kernels loaded (or found missing) from the real cache dir once, before tests here
+    point APPLIANCE_CACHE_DIR at a temporary folder for the choices' cache: a first load from there
+    would find no build and be remembered for the process."""
+    from appliance.ops import native
+
+    native.is_available()
 
 
 def _fake(times: dict[tuple[str, int], list[float]], calls: list):
@@ -149,3 +161,46 @@ def test_the_timing_scratch_is_released_after_the_choice(tmp_path, monkeypatch):
     linear.select_backends(nn.Sequential(lin), "auto", torch.float32, torch.device("cpu"))
     assert during == [64 << 20] and lin.backend == first
     assert linear._SCRATCH is None
+
+
+def test_within_the_margin_the_fewest_bytes_win():
+    """Candidates within ``_MEMORY_MARGIN`` of the fastest count as equally fast; of those the one
+    holding the fewest bytes runs (ties: the faster). Beyond the margin, or without sizes, speed alone."""
+    m = linear._MEMORY_MARGIN
+    assert 0 < m <= 0.15
+    held = {"int8": 125, "5bit": 81, "6bit": 94}
+    assert linear.choose({"int8": 3.0, "5bit": 3.0 * (1 + m * 0.9), "6bit": 3.05}, held) == "5bit"
+    assert linear.choose({"int8": 3.0, "5bit": 3.0 * (1 + m * 1.1), "6bit": 3.05}, held) == "6bit"
+    assert linear.choose({"int8": 3.0, "5bit": 3.0 * (1 + m * 1.1), "6bit": 3.0 * (1 + m * 1.1)}, held) == "int8"
+    assert linear.choose({"int8": 3.0, "5bit": 3.1, "6bit": 3.05}, {}) == "int8"
+    assert linear.choose({"a": 3.1, "b": 3.0}, {"a": 10, "b": 10}) == "b"
+    assert linear.choose({"a": -1.0, "b": -2.0}, {"a": 1, "b": 2}) == "b"  # margin of |best|: -2.2 < -1
+
+
+def test_a_q5_layer_timed_alike_keeps_its_5_bit_form(tmp_path, monkeypatch):
+    """A GGUF Q5_0-style layer (values in [-16, 15], groups of 32) whose candidates time alike is held
+    by the candidate whose real packing is smallest: the 5-bit one where the host runs it, not int8
+    (issue 14: a cold load's timing picked int8 for gate_up, 1.25 B/weight against 0.81)."""
+    import torch
+    from torch import nn
+
+    from appliance.layers import quant
+
+    monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(quant, "relative_cost", lambda fns, timer: {c: 3.0 for c in fns})  # a tie
+    k, n, g = 256, 64, 32
+    lin = quant.QuantLinear(k, n, "w8a8", g, w8_groups=True)
+    lin.qweight.data = torch.randint(-16, 16, (n, k), dtype=torch.int8)
+    lin.weight_scale.data = torch.rand(n, k // g) * 0.01 + 1e-3
+    if lin.weight_zero_point is not None:
+        lin.weight_zero_point.data.zero_()
+    cands = lin.candidates(torch.float32, torch.device("cpu"))
+    if len(cands) < 2:
+        pytest.skip(f"one w8a8 method on this host ({cands}): nothing is chosen")
+    sizes = {}
+    for c in cands:
+        sizes[c] = quant.packed_bytes(quant.pack(c, lin.qweight.data, lin.weight_scale.data, lin._zp()))
+    linear.select_backends(nn.Sequential(lin), "auto", torch.float32, torch.device("cpu"))
+    assert lin.backend == min(sizes, key=sizes.get), (lin.backend, sizes)
+    if "w5a8_native" in cands:
+        assert lin.backend == "w5a8_native" and sizes["w5a8_native"] < 0.7 * sizes["w8a8_native"], sizes
