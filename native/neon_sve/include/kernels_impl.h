@@ -1031,7 +1031,13 @@ static void gemm_wlow_a8(const WLowArgs& a) {
   // Items: (token block, tile), tiles inner; each chunk of a tile's weights (a few KiB, in L1) meets
   // every token of the block in turn. A block's int8 activations (about kWLowBlockBytes) stay in L2
   // while its tiles run over them, rather than all M tokens being read from further out per tile.
-  const int64_t mb = std::min<int64_t>(M, std::max<int64_t>(16, kWLowBlockBytes / K / 4 * 4));
+  // The blocks are of equal size (to a multiple of 4 tokens, the work item's step): the static
+  // schedule gives each thread a run of items, which at a few blocks is whole blocks, and blocks of
+  // the largest size and one remainder left a thread idle (512 tokens at K = 896: 292 + 220, the
+  // second thread waiting a quarter of the time).
+  const int64_t mb_max = std::min<int64_t>(M, std::max<int64_t>(16, kWLowBlockBytes / K / 4 * 4));
+  const int64_t nb = (M + mb_max - 1) / mb_max;
+  const int64_t mb = std::min<int64_t>(M, ((M + nb - 1) / nb + 3) / 4 * 4);
   const int64_t mblocks = (M + mb - 1) / mb;
 #pragma omp parallel if (tiles * mblocks > 1 && M * N * K > (1 << 16))
   {
