@@ -821,10 +821,14 @@ static void w8g_block_scalar(const W8GBlock& b, int bias) {
 // nearbyint does in the default rounding mode; the divisions are IEEE fp32 in both).
 static void w8g_quant_row(const float* x, int64_t K, int bias, uint8_t* q, float* corr, float* sx) {
   float mn = 0.f, mx = 0.f;
+#ifdef AK_W8G_MINMAX
+  w8g_minmax(x, K, &mn, &mx);  // the same two values, in vectors
+#else
   for (int64_t k = 0; k < K; ++k) {
     mn = std::min(mn, x[k]);
     mx = std::max(mx, x[k]);
   }
+#endif
   const float s = std::max((mx - mn) / 255.f, 1e-12f);
   const float zp = std::min(127.f, std::max(-128.f, std::nearbyint(-128.f - mn / s)));
   const int32_t zpi = (int32_t)zp;
