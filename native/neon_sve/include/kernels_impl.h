@@ -1029,7 +1029,11 @@ static void gemm_wlow_a8(const WLowArgs& a) {
     }
     const float* off = kq ? koff : (a.offset ? a.offset + tile * groups * 16 : nullptr);
     if (off) wlow_add_offsets(off, xs.data() + m * groups, groups, y);
-    for (int r = 0; r < rows; ++r) o[r] = y[r];
+    if (rows == 16) {  // a fixed count: vector stores (the variable one is a memcpy call per token and tile)
+      for (int r = 0; r < 16; ++r) o[r] = y[r];
+    } else {
+      for (int r = 0; r < rows; ++r) o[r] = y[r];
+    }
   };
 #ifdef AK_WLOW_FAST
   // Items: (token block, tile), tiles inner; each chunk of a tile's weights (a few KiB, in L1) meets
