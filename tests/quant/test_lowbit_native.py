@@ -127,13 +127,14 @@ def test_worst_case_blocks(bits, group, zp, scale_at, pattern):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q4_0", "Q4_1", "Q6_K", "Q5_0", "Q5_1"])
-@pytest.mark.parametrize("k,rows", [(768, 37), (4096, 70)])
+@pytest.mark.parametrize("k,rows", [(768, 37), (4096, 70), (1024, 301)])
 def test_many_rows_equal_each_row_alone(qtype, k, rows):
     """Prefill-sized inputs (a tile's weights unpacked once and met by several tokens at a time) give
     every row exactly, bit for bit, what that row gives alone (decode's per-token loop): the integer
     sums and the order of the fp32 operations per token are the same. Rows 37: blocks of 4 and a
-    remainder; 70 rows of 4096 inputs: more than one token block of the x86 kernel (about 256 KiB of
-    int8 activations a block)."""
+    remainder; 70 rows of 4096 inputs: more than one token block of the x86 kernel (at most about
+    256 KiB of int8 activations a block, the blocks of equal size: 36 + 34); 301 rows of 1024: 256
+    rows at most a block, taken as 152 + 149 (a remainder of 1 after the blocks of 4)."""
     n = 80
     rng = np.random.default_rng(4)
     raw = _blocks(qtype, n, k, rng)

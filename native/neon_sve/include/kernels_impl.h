@@ -821,10 +821,14 @@ static void w8g_block_scalar(const W8GBlock& b, int bias) {
 // nearbyint does in the default rounding mode; the divisions are IEEE fp32 in both).
 static void w8g_quant_row(const float* x, int64_t K, int bias, uint8_t* q, float* corr, float* sx) {
   float mn = 0.f, mx = 0.f;
+#ifdef AK_W8G_MINMAX
+  w8g_minmax(x, K, &mn, &mx);  // the same two values, in vectors
+#else
   for (int64_t k = 0; k < K; ++k) {
     mn = std::min(mn, x[k]);
     mx = std::max(mx, x[k]);
   }
+#endif
   const float s = std::max((mx - mn) / 255.f, 1e-12f);
   const float zp = std::min(127.f, std::max(-128.f, std::nearbyint(-128.f - mn / s)));
   const int32_t zpi = (int32_t)zp;
@@ -1051,13 +1055,23 @@ static void gemm_wlow_a8(const WLowArgs& a) {
     if (kq) wlow_krowsum_term(a.krowsum + tile * 16, sx.data()[m] * corr.data()[m], y);
     const float* off = kq ? koff : (a.offset ? a.offset + tile * groups * 16 : nullptr);
     if (off) wlow_add_offsets(off, xs.data() + m * groups, groups, y);
-    for (int r = 0; r < rows; ++r) o[r] = y[r];
+    if (rows == 16) {  // a fixed count: vector stores (the variable one is a memcpy call per token and tile)
+      for (int r = 0; r < 16; ++r) o[r] = y[r];
+    } else {
+      for (int r = 0; r < rows; ++r) o[r] = y[r];
+    }
   };
 #ifdef AK_WLOW_FAST
   // Items: (token block, tile), tiles inner; each chunk of a tile's weights (a few KiB, in L1) meets
   // every token of the block in turn. A block's int8 activations (about kWLowBlockBytes) stay in L2
   // while its tiles run over them, rather than all M tokens being read from further out per tile.
-  const int64_t mb = std::min<int64_t>(M, std::max<int64_t>(16, kWLowBlockBytes / K / 4 * 4));
+  // The blocks are of equal size (to a multiple of 4 tokens, the work item's step): the static
+  // schedule gives each thread a run of items, which at a few blocks is whole blocks, and blocks of
+  // the largest size and one remainder left a thread idle (512 tokens at K = 896: 292 + 220, the
+  // second thread waiting a quarter of the time).
+  const int64_t mb_max = std::min<int64_t>(M, std::max<int64_t>(16, kWLowBlockBytes / K / 4 * 4));
+  const int64_t nb = (M + mb_max - 1) / mb_max;
+  const int64_t mb = std::min<int64_t>(M, ((M + nb - 1) / nb + 3) / 4 * 4);
   const int64_t mblocks = (M + mb - 1) / mb;
 #pragma omp parallel if (tiles * mblocks > 1 && M * N * K > (1 << 16))
   {
