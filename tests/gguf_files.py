@@ -33,6 +33,38 @@ def random_blocks(qtype: str, n: int, k: int, rng) -> np.ndarray:
     return raw
 
 
+def worst_blocks(qtype: str, n: int, k: int, rng, d: float) -> np.ndarray:
+    """``random_blocks`` at their integer extremes: every weight at an end of its range (odd rows the
+    top, even rows the bottom), every sub-scale / sub-min at its largest (Q6_K and Q3_K: the signed
+    ends by row), d (and dmin) the fp16 value ``d``: the integer sums are at their largest and nothing
+    cancels. Q4_K, Q6_K, Q3_K, Q2_K."""
+    bt = KEPT[qtype]
+    raw = random_blocks(qtype, n, k, rng).reshape(n, -1, bt.type_size)
+    dd = np.array([d], dtype=np.float16).view(np.uint8)
+    odd = (np.arange(n) % 2 == 1)[:, None]
+    if qtype == "Q4_K":
+        raw[..., 0:2] = dd
+        raw[..., 2:4] = dd
+        raw[..., 4:16] = 0xFF  # every sc and mn 63
+        raw[..., 16:144] = np.where(odd, 0xFF, 0x00)[..., None]  # u all 15 or all 0
+    elif qtype == "Q6_K":
+        raw[..., 208:210] = dd
+        raw[..., 192:208] = np.where(odd, 127, -128).astype(np.int8).view(np.uint8)[..., None]
+        raw[..., 0:192] = np.where(odd, 0xFF, 0x00)[..., None]  # u all 63 or all 0
+    elif qtype == "Q3_K":
+        raw[..., 108:110] = dd
+        # odd rows: every mask bit and 2-bit value set (q = 3), sc 63 (sc - 32 = 31); even: q = -4, sc - 32 = -32
+        raw[..., 0:108] = np.where(odd, 0xFF, 0x00)[..., None]
+    elif qtype == "Q2_K":
+        raw[..., 80:82] = dd
+        raw[..., 82:84] = dd
+        raw[..., 0:16] = 0xFF  # every sc and mn 15
+        raw[..., 16:80] = np.where(odd, 0xFF, 0x00)[..., None]  # u all 3 or all 0
+    else:
+        raise ValueError(f"worst_blocks: no worst case written for {qtype}")
+    return raw.reshape(n, -1)
+
+
 def tokenizer_vocab(n: int = 1024) -> dict:
     """The first ``n`` tokens of the default model's BPE, their types and the merges among them."""
     from appliance.models.default_model import default_gguf_path

@@ -48,6 +48,18 @@ def _hf(path):
     return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
 
 
+def _hf_holding(src, written: dict):
+    """transformers' model of ``src`` with its experts' weights replaced by ``written`` (a GGUF's
+    dequantized expert tensors, as write_moe_gguf returns them)."""
+    hf = _hf(src)
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            g, u, d = (torch.from_numpy(written[f"blk.{i}.ffn_{p}_exps.weight"]) for p in ("gate", "up", "down"))
+            layer.mlp.experts.gate_up_proj.copy_(torch.cat([g, u], dim=1))
+            layer.mlp.experts.down_proj.copy_(d)
+    return hf
+
+
 def hf_greedy(hf, prompts_ids, max_new):
     outs = []
     for ids in prompts_ids:
@@ -699,12 +711,7 @@ def test_moe_gguf_quantized_experts_load_as_they_are(tiny_model_dir, tmp_path, g
                    and m.gate_up_proj.group_size == 32 and isinstance(m.down_proj, quant.QuantLinear) for m in b.experts)
         if qtype == "Q5_0":
             assert all(m.gate_up_proj.backend == m.down_proj.backend == "w5a8_native" for m in b.experts)
-    hf = _hf(src)
-    with torch.no_grad():
-        for i, layer in enumerate(hf.model.layers):
-            g, u, d = (torch.from_numpy(written[f"blk.{i}.ffn_{p}_exps.weight"]) for p in ("gate", "up", "down"))
-            layer.mlp.experts.gate_up_proj.copy_(torch.cat([g, u], dim=1))
-            layer.mlp.experts.down_proj.copy_(d)
+    hf = _hf_holding(src, written)
     rng = random.Random(2)
     for n in (7, 30):
         p = [rng.randrange(3, GGUF_VOCAB) for _ in range(n)]
@@ -734,12 +741,7 @@ def test_moe_gguf_kquant_experts_run_in_one_region(tiny_model_dir, tmp_path, ggu
         for m in b.experts:
             assert m.gate_up_proj.backend == "w4a8_native" and m.down_proj.backend == down
             assert "kf" in m.gate_up_proj.packed and "kf" in m.down_proj.packed
-    hf = _hf(src)
-    with torch.no_grad():
-        for i, layer in enumerate(hf.model.layers):
-            g, u, d = (torch.from_numpy(written[f"blk.{i}.ffn_{p}_exps.weight"]) for p in ("gate", "up", "down"))
-            layer.mlp.experts.gate_up_proj.copy_(torch.cat([g, u], dim=1))
-            layer.mlp.experts.down_proj.copy_(d)
+    hf = _hf_holding(src, written)
     rng = random.Random(3)
     ids = [[rng.randrange(3, GGUF_VOCAB) for _ in range(n)] for n in (5, 23, 1, 40)]
 

@@ -305,30 +305,9 @@ def _kq_blocks(qtype: str, n: int, k: int, rng, worst: float | None = None):
     """Random blocks of ``qtype`` (gguf_files.random_blocks: weights ~0.03); ``worst``: every weight at an
     end of its range (rows alternate which), every sub-scale / sub-min at its largest (Q6_K: int8 127 / -128
     by row), d (and dmin) ``worst`` (an fp16 value)."""
-    import numpy as np
+    from gguf_files import random_blocks, worst_blocks
 
-    from gguf_files import random_blocks
-
-    from appliance.models.gguf_quants import KEPT
-
-    raw = random_blocks(qtype, n, k, rng)
-    if worst is None:
-        return raw
-    bt = KEPT[qtype]
-    raw = raw.reshape(n, -1, bt.type_size)
-    d = np.array([worst], dtype=np.float16).view(np.uint8)
-    odd = (np.arange(n) % 2 == 1)[:, None]
-    if qtype == "Q4_K":
-        raw[..., 0:2] = d
-        raw[..., 2:4] = d
-        raw[..., 4:16] = 0xFF  # every sc and mn 63
-        raw[..., 16:144] = np.where(odd, 0xFF, 0x00)[..., None]  # u all 15 or all 0
-    else:
-        assert qtype == "Q6_K"
-        raw[..., 208:210] = d
-        raw[..., 192:208] = np.where(odd, 127, -128).astype(np.int8).view(np.uint8)[..., None]
-        raw[..., 0:192] = np.where(odd, 0xFF, 0x00)[..., None]  # u all 63 or all 0
-    return raw.reshape(n, -1)
+    return random_blocks(qtype, n, k, rng) if worst is None else worst_blocks(qtype, n, k, rng, worst)
 
 
 def _kq_linear(types: dict, k: int, rng, worst: float | None = None):

@@ -29,7 +29,7 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 
-from gguf_files import random_blocks
+from gguf_files import random_blocks, worst_blocks
 from helpers import kquant_reference
 
 from appliance.layers import methods
@@ -126,30 +126,7 @@ def test_worst_case_blocks(qtype, scale_at):
     and dmin at fp16's largest / smallest subnormal, activations coded 127 / -128 with every product
     of one sign: the integer sums are at their largest and nothing cancels."""
     n, k = 32, 512
-    bt = KEPT[qtype]
-    rng = np.random.default_rng(3)
-    raw = _blocks(qtype, n, k, rng).reshape(n, -1, bt.type_size)
-    d = np.array([65504.0 if scale_at == "fp16_max" else 2.0 ** -24], dtype=np.float16).view(np.uint8)
-    odd = (np.arange(n) % 2 == 1)[:, None]
-    if qtype == "Q4_K":
-        raw[..., 0:2] = d
-        raw[..., 2:4] = d
-        raw[..., 4:16] = 0xFF  # every sc and mn 63
-        raw[..., 16:144] = np.where(odd, 0xFF, 0x00)[..., None]  # u all 15 or all 0
-    elif qtype == "Q6_K":
-        raw[..., 208:210] = d
-        raw[..., 192:208] = np.where(odd, 127, -128).astype(np.int8).view(np.uint8)[..., None]
-        raw[..., 0:192] = np.where(odd, 0xFF, 0x00)[..., None]  # u all 63 or all 0
-    elif qtype == "Q3_K":
-        raw[..., 108:110] = d
-        # odd rows: every mask bit and 2-bit value set (q = 3), sc 63 (sc - 32 = 31); even: q = -4, sc - 32 = -32
-        raw[..., 0:108] = np.where(odd, 0xFF, 0x00)[..., None]
-    else:  # Q2_K
-        raw[..., 80:82] = d
-        raw[..., 82:84] = d
-        raw[..., 0:16] = 0xFF  # every sc and mn 15
-        raw[..., 16:80] = np.where(odd, 0xFF, 0x00)[..., None]  # u all 3 or all 0
-    raw = raw.reshape(n, -1)
+    raw = worst_blocks(qtype, n, k, np.random.default_rng(3), 65504.0 if scale_at == "fp16_max" else 2.0 ** -24)
     cw = canonical(qtype, raw, n, k)
     if qtype == "Q3_K":
         assert set(cw.kquant.sub.unique().tolist()) == {-32, 31} and set(cw.qweight.unique().tolist()) == {-4, 3}
