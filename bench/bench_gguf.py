@@ -192,7 +192,7 @@ def worker(spec: dict) -> dict:
     t = time.perf_counter()
     llm = LLM(spec["model"], dtype="float32", quantization=spec["quantization"], num_threads=spec["threads"],
               max_model_len=spec["prompt_len"] + spec["out_len"] + 16, kv_cache_memory=spec["kv_cache_gib"],
-              enable_prefix_caching=False)
+              kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), enable_prefix_caching=False)
     load_s = time.perf_counter() - t
     res = {"import_s": import_s, "load_s": load_s, "rss_after_load": proc.memory_info().rss}
     if not spec["measure"]:
@@ -253,6 +253,7 @@ def run_appliance(path: Path, setting: str, args) -> dict:
             (cache / "native").symlink_to(real / "native")
         spec = {"model": str(path), "quantization": APPLIANCE_SETTINGS[setting], "threads": args.threads,
                 "prompt_len": args.prompt_len, "out_len": args.out_len, "kv_cache_gib": args.kv_cache_gib,
+                "kv_cache_dtype": args.kv_cache_dtype,
                 "measure": False, "prompts": []}
         cold = run_worker(spec, cache, args.worker_timeout)
         if "error" in cold:
@@ -353,6 +354,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-gib", type=float, default=None,
                     help="the appliance's KV cache budget (default: --server-ctx tokens of float32 KV, the "
                          "tokens llama-server gets)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"),
+                    help="the appliance's KV cache type (auto: the model dtype, float32 here; llama.cpp's "
+                         "default is f16: bfloat16 holds the same bytes)")
     ap.add_argument("--server", action="store_true", help="also time requests through llama-server")
     ap.add_argument("--server-parallel", type=int, default=4)
     ap.add_argument("--server-ctx", type=int, default=4096)
@@ -378,7 +382,8 @@ def main() -> None:
         c = SHAPES[args.shape]
         layers = args.layers or c["num_hidden_layers"]
         head_dim = c["hidden_size"] // c["num_attention_heads"]
-        args.kv_cache_gib = layers * 2 * c["num_key_value_heads"] * head_dim * 4 * args.server_ctx / 2 ** 30
+        elt = {"auto": 4, "bfloat16": 2}.get(args.kv_cache_dtype, 1)
+        args.kv_cache_gib = layers * 2 * c["num_key_value_heads"] * head_dim * elt * args.server_ctx / 2 ** 30
     t = time.perf_counter()
     bins = llamacpp.build(jobs=args.jobs)
     log(f"llama.cpp tools in {bins} ({time.perf_counter() - t:.0f}s)")
