@@ -51,10 +51,15 @@ def _native():
     return native
 
 
+def k_step(bits: int) -> int:
+    """What in_features and the kernel group must be multiples of: 32 for 5 bits (the 1-bit plane holds
+    32 inputs a byte), 16 otherwise."""
+    return 32 if bits == 5 else 16
+
+
 def kernel_group(k: int, group_size: int, bits: int = 4) -> int | None:
-    """The kernel's group for a layer of ``k`` inputs and this group size (``k``: per channel), or None.
-    5 bits: a multiple of 32 (the 1-bit plane holds 32 inputs a byte)."""
-    step = 32 if bits == 5 else 16
+    """The kernel's group for a layer of ``k`` inputs and this group size (``k``: per channel), or None."""
+    step = k_step(bits)
     if k % step or k % group_size:
         return None
     return next((g for g in _GROUPS if group_size % g == 0 and g % step == 0), None)
@@ -85,9 +90,8 @@ def pack_lowbit(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Te
     g = k // scale.shape[1]
     kg = kernel_group(k, g, bits)
     if kg is None:
-        step = 32 if bits == 5 else 16
-        raise ValueError(f"w{bits}a8_native: needs in_features a multiple of {step} and a group a multiple of "
-                         f"{step} (<= 256 per kernel group); got in_features={k}, group={g}")
+        raise ValueError(f"w{bits}a8_native: needs in_features a multiple of {k_step(bits)} and a group a multiple "
+                         f"of {k_step(bits)} (<= 256 per kernel group); got in_features={k}, group={g}")
     lo, hi, qsum = _native().pack_wlow_planes(qweight, bits, kg)
     s = scale.float().repeat_interleave(g // kg, dim=1)
     off = offset(scale, zero_point)
