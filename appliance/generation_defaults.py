@@ -60,14 +60,23 @@ def _from_hf(f: Path) -> dict:
 
 
 def _from_gguf(path: Path) -> dict:
-    from appliance.models.gguf_loader import open_gguf
+    from appliance.models.gguf_loader import forget_reader, open_gguf, reader_is_cached
 
+    # Read after the weights are loaded (LLM, the server), when the load has dropped the file's reader:
+    # a reader cached from here would keep the whole file mapped, its header's pages and parsed
+    # metadata resident for the life of the process (issue 14's resident memory). One cached before
+    # (a caller still using it) stays.
+    cached = reader_is_cached(path)
     fields = open_gguf(path).fields
     out = {}
-    for key, name in _GGUF_KEYS.items():
-        field = fields.get(key)
-        if field is not None:
-            out[name] = _checked(path, key, name, field.contents())
+    try:
+        for key, name in _GGUF_KEYS.items():
+            field = fields.get(key)
+            if field is not None:
+                out[name] = _checked(path, key, name, field.contents())
+    finally:
+        if not cached:
+            forget_reader(path)
     return out
 
 

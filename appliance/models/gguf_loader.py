@@ -170,9 +170,14 @@ def open_gguf(path: Path):
 _READERS: dict = {}  # the last file opened: {"key": (path, size, mtime_ns), "reader": GGUFReader}
 
 
+def reader_is_cached(path: Path) -> bool:
+    """Whether ``open_gguf`` holds a reader of ``path`` now."""
+    return _READERS.get("key", ("",))[0] == str(Path(path))
+
+
 def forget_reader(path: Path) -> None:
     """Drop the cached reader of ``path`` (its memmap is unmapped once nothing else holds it)."""
-    if _READERS.get("key", ("",))[0] == str(Path(path)):
+    if reader_is_cached(path):
         _READERS.clear()
 
 

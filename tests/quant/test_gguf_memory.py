@@ -79,7 +79,10 @@ _PROBE = textwrap.dedent("""
                                       if getattr(m, "backend", None) == b and hasattr(m, "kquant_tables"))
                                for b in {m.backend for m in r.model.modules() if hasattr(m, "kquant_tables")}},
                       "kq_packed": sum(1 for m in r.model.modules()
-                                       if isinstance(getattr(m, "packed", None), dict) and "kf" in m.packed)}))
+                                       if isinstance(getattr(m, "packed", None), dict) and "kf" in m.packed),
+                      # the GGUF's mappings left once LLM() is done (psutil: [path, rss] per mapping)
+                      "file_maps": [[m.path, m.rss] for m in proc.memory_maps()
+                                    if m.path == __import__("os").path.realpath(path)]}))
 """) % (KV_BLOCKS, BLOCK)
 
 
@@ -125,6 +128,8 @@ def test_resident_memory_is_the_packed_weights_and_kv_cache(measured):
     assert 50 << 20 <= m["file"] <= 150 << 20  # the weights dominate the process's noise
     assert m["embedding"] == "QuantEmbedding" and m["largest_float_param"] < m["table"]
     assert m["growth"] <= 1.40 * (m["weights"] + m["kv"]), m
+    # the file is unmapped once loaded (LLM's generation defaults read it after the load dropped its reader)
+    assert m["file_maps"] == [], m["file_maps"]
 
 
 def test_resident_memory_within_15_percent_of_the_file_and_kv_cache(measured):
