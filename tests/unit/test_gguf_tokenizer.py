@@ -288,3 +288,50 @@ def test_engine_loads_a_gguf_without_transformers(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "TRANSFORMERS False" in r.stdout, r.stdout
     assert "Paris" in r.stdout, r.stdout
+
+
+def _tokenizer_json(model: dict, added: list[dict]) -> dict:
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+            "post_processor": None, "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                                                "use_regex": True}, "model": model}
+
+
+@pytest.mark.parametrize("variant", ["bpe", "bpe_string_merges", "word_level"])
+def test_backend_equals_from_file(tmp_path, variant):
+    """``_backend`` builds a BPE model from Python (less resident than ``from_file``'s deserializer) and
+    must give the tokenizer ``from_file`` gives: the same serialization and tokens, including added
+    tokens the model also has under another id than the file declares (``from_file`` takes the
+    model's), added tokens it lacks (appended after the vocabulary), and the cases it hands to
+    ``from_str`` (merges as strings, another model type)."""
+    import tokenizers
+
+    from appliance.engine.tokenizer import _backend
+
+    chars = ["a", "b", "c", "d", "Ġ", "h", "i"]
+    merged = ["ab", "abc", "Ġa", "hi", "Ġhi"]
+    vocab = {t: i for i, t in enumerate(["<s>", "</s>"] + chars + merged + ["<x>"])}
+    merges = [["a", "b"], ["ab", "c"], ["Ġ", "a"], ["h", "i"], ["Ġ", "hi"]]
+    added = [{"id": 0, "content": "<s>", "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": True},
+             {"id": 5, "content": "<x>", "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": True},  # the model has it at another id
+             {"id": 99, "content": "<new>", "single_word": True, "lstrip": True, "rstrip": False, "normalized": True,
+              "special": False}]  # not in the model
+    model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+             "vocab": vocab, "merges": merges}
+    if variant == "bpe_string_merges":
+        model["merges"] = [" ".join(m) for m in merges]
+    elif variant == "word_level":
+        model = {"type": "WordLevel", "vocab": vocab, "unk_token": "<s>"}
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(_tokenizer_json(model, added)), encoding="utf-8")
+    ours, ref = _backend(path), tokenizers.Tokenizer.from_file(str(path))
+    assert json.loads(ours.to_str()) == json.loads(ref.to_str())
+    assert ours.get_vocab(with_added_tokens=True) == ref.get_vocab(with_added_tokens=True)
+    assert ours.token_to_id("<x>") == vocab["<x>"] and ours.token_to_id("<new>") == len(vocab)
+    for text in ["abc hi", "<s>abcd <x> hi<new> ab", " hihi <new>", ""]:
+        a, b = ours.encode(text), ref.encode(text)
+        assert a.ids == b.ids and a.offsets == b.offsets and a.special_tokens_mask == b.special_tokens_mask, text
+        assert ours.decode(a.ids, skip_special_tokens=True) == ref.decode(b.ids, skip_special_tokens=True)
