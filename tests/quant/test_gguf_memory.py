@@ -11,7 +11,7 @@ attn_v / ffn_down of a third of the layers).
 Accounting. What the model holds is ``weight_bytes`` (every packed layer, the embedding, norms) plus
 the KV cache; the growth may exceed that by 40% (measured 1.26x once, 186 MiB for 132 + 16, on a
 2-core host with glibc: ~40 MB of the engine's second tokenizer instance, runtime state and heap
-pages the load's freed temporaries leave partly used; 1.05x in session 15, where the load's
+pages the load's freed temporaries leave partly used; 1.03x in session 15, where the load's
 ``release_free_memory`` also hands back heap pages freed before the baseline). The file itself is
 not mapped once ``LLM()`` returns (``file_maps``: a reader cached by a read after the load kept the
 whole file mapped, its header's pages resident). Without this work the same load grew by
