@@ -57,9 +57,13 @@ def kv_scales_ok(cache: torch.Tensor, *scales: torch.Tensor | None) -> bool:
     decoder stack, models/llama.py ``cached_fused_plan``, is not used); True for a float cache."""
     if not kv_cache_is_quantized(cache.dtype):
         return True
+    # checked on every call: plain attribute tests (half the time of a generator over
+    # tuple(s.shape) and s.device.type)
     want = kv_scale_shape(cache.shape[0], cache.shape[2], cache.shape[1])
-    return all(s is not None and s.dtype == torch.float32 and s.is_contiguous() and tuple(s.shape) == want
-               and s.device.type == "cpu" for s in scales)
+    for s in scales:
+        if s is None or s.dtype != torch.float32 or not s.is_cpu or s.shape != want or not s.is_contiguous():
+            return False
+    return True
 
 
 def source_dir() -> Path:
@@ -317,6 +321,11 @@ def reshape_and_cache(
                            k_scale, v_scale)
 
 
+def _i32(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous int32, itself when it already is (two attribute tests instead of two dispatches)."""
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -359,7 +368,7 @@ def paged_attention(
     )
     _ext.paged_attention(
         query, key_cache, value_cache, bt,
-        seq_lens.to(torch.int32).contiguous(), query_start_loc.to(torch.int32).contiguous(),
+        _i32(seq_lens), _i32(query_start_loc),
         float(scale), out, int(sliding_window), float(logits_soft_cap), k_scale, v_scale,
     )
     return out

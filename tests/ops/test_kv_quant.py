@@ -199,6 +199,54 @@ def test_native_attention_equals_reference(variant, dtype, seqs, num_heads, num_
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+# the largest finite code of each format, as a storage byte (its negative: | 0x80; int8 also -128),
+# and its value
+EXTREME_CODES = {torch.int8: (0x7F, 127.0), torch.float8_e4m3fn: (0x7E, 448.0), torch.float8_e5m2: (0x7B, 57344.0)}
+
+
+@pytest.mark.parametrize("dtype", QDTYPES, ids=IDS)
+@pytest.mark.parametrize("head_size,kmag,vscale", [(64, 0.13, 1e6), (80, 0.013, 3e30), (64, 1300.0, 1.0)],
+                         ids=["d64-spread", "d80-huge-v", "d64-sharp"])
+def test_native_decode_extreme_codes(variant, dtype, head_size, kmag, vscale):
+    # Worst-case codes through the decode path of the default model's shape (9 query heads over 3 KV
+    # heads: three rows share each code load, 4 x 8 dims of V per pass; head size 80 adds a 16-dim
+    # tail): every code at the format's largest magnitude (int8 also -128), signs random, with large
+    # V scales (3e30 * 57344 is 1.7e35, float32's max 3.4e38; sums stay finite as the weights sum to
+    # 1) and K scales that put K's values near kmag: spread-out (0.13), near-flat (0.013) or one-hot
+    # (1300) softmaxes. Against the
+    # reference over the same cache, with the kernels' 2e-5 tolerance taken relative to the largest
+    # |V| value rather than to the output: an output is a convex combination of V rows whose random
+    # signs cancel (outputs ~1/25 of |V| at 700 keys), so another summation order moves it by
+    # ~1e-7 * |V| terms, not by 1e-7 * |output| (the generic variant is ~1e-4 * |output| off here).
+    # One wrong code or scale moves an output by its softmax weight (>= ~1/1400 here) times |V|,
+    # far outside the bound.
+    g = torch.Generator().manual_seed(11)
+    BS, ctx, nkv, nh = 16, 700, 3, 9
+    nb = (ctx + BS - 1) // BS + 3
+    shape = reference.kv_cache_shape(nb, BS, nkv, head_size)
+    top, top_value = EXTREME_CODES[dtype]
+    def codes():
+        b = torch.full(shape, top, dtype=torch.uint8) | (torch.randint(0, 2, shape, generator=g, dtype=torch.uint8) << 7)
+        if dtype == torch.int8:  # 0x7f | 0x80 = 0xff is -1: use -128 (0x80) and -127 (0x81) instead
+            b = torch.where(b == 0xFF, torch.tensor(0x80 + torch.randint(0, 2, (), generator=g).item(),
+                                                    dtype=torch.uint8), b)
+        return code_bytes_as(dtype, b)
+    kc, vc = codes(), codes()
+    sshape = reference.kv_scale_shape(nb, BS, nkv)
+    ks = torch.full(sshape, kmag / top_value) * (1 + torch.rand(sshape, generator=g))
+    vs = torch.full(sshape, vscale) * (1 + torch.rand(sshape, generator=g) * 0.1)
+    bt = torch.randperm(nb, generator=g).to(torch.int32)[: (ctx + BS - 1) // BS].view(1, -1)
+    sl = torch.tensor([ctx], dtype=torch.int32)
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    q = torch.randn(1, nh, head_size, generator=g)
+    scale = reference.softmax_scale(head_size)
+    ref = reference.paged_attention(q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs)
+    assert ref.isfinite().all()
+    out = native.paged_attention(q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs)
+    vmax = float(reference.dequantize_kv(vc, vs).abs().max())
+    torch.testing.assert_close(out, ref, atol=2e-5 * vmax, rtol=2e-5)
+
+
 @pytest.mark.parametrize("dtype", QDTYPES, ids=IDS)
 def test_native_attention_bf16_query(variant, dtype):
     # bf16 activations over a quantized cache: the output rounds to bf16 (one ulp: 2e-2 as test_attention)
@@ -309,3 +357,16 @@ def test_every_finite_code_of_k_read(variant, dtype):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     want = torch.where(vals == 0, torch.full_like(vals, 0.5), torch.sigmoid(torch.full_like(vals, 2.0))).float()
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+def test_kv_scales_ok_takes_only_the_kernels_layout():
+    # the scales the native kernels read (else the reference runs): float32, contiguous, on the CPU,
+    # the cache's [num_blocks, num_kv_heads, block_size]; a float cache needs none
+    kc = torch.zeros(reference.kv_cache_shape(3, 4, 2, 16), dtype=torch.int8)
+    good = torch.ones(reference.kv_scale_shape(3, 4, 2))
+    assert native.kv_scales_ok(kc, good, good.clone())
+    assert native.kv_scales_ok(torch.zeros(reference.kv_cache_shape(3, 4, 2, 16)), None, None)
+    bad = [None, good.double(), good.transpose(1, 2).contiguous(), good.transpose(1, 2).contiguous().transpose(1, 2),
+           torch.ones(3, 2, 5), good[:2], good.view(-1)]
+    for b in bad:
+        assert not native.kv_scales_ok(kc, good, b), b if b is None else (b.dtype, tuple(b.shape), b.stride())
