@@ -154,6 +154,31 @@ def test_block_uses_the_one_call_with_native_ops(monkeypatch):
     assert torch.equal(one, per_expert)
 
 
+def test_block_plan_follows_experts_packed_or_replaced_anew(monkeypatch):
+    """The block's one-call plan (the experts' packed tensors, read from its submodules once per step) is
+    rebuilt when an expert's projection is packed anew or replaced: the one call then gives what the
+    per-expert path gives with the new projections, not the old weights."""
+    block, _ = _block()
+    _set(block, "native")
+    other, _ = _block(seed=1)
+    _set(other, "native")
+    x = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(7))
+    with set_forward_context(ForwardContext(None, [], native)):
+        before = block(x)
+        block.experts[int(block.gate(x)[2][0, 0])].down_proj = other.experts[0].down_proj  # replaced
+        replaced = block(x)
+        monkeypatch.setattr(native, "FUSED_LAYERS", False)
+        want = block(x)
+        monkeypatch.setattr(native, "FUSED_LAYERS", True)
+        e = block.experts[int(block.gate(x)[2][1, 0])]
+        e.gate_up_proj.packed = other.experts[1].gate_up_proj.packed  # packed anew
+        repacked = block(x)
+        monkeypatch.setattr(native, "FUSED_LAYERS", False)
+        want_repacked = block(x)
+    assert not torch.equal(before, replaced) and torch.equal(replaced, want)
+    assert not torch.equal(replaced, repacked) and torch.equal(repacked, want_repacked)
+
+
 def test_bad_input_is_refused():
     block, _ = _block()
     _set(block, "native")
