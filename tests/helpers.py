@@ -161,3 +161,15 @@ def kquant_reference(x: torch.Tensor, qweight: torch.Tensor, t: dict) -> torch.T
         off -= t["supmin"].double().repeat_interleave(sb // g, dim=1) * t["submin"].double()
     w_sym = qweight.double() * scale.repeat_interleave(g, dim=1)
     return quant_act_asym(x.float()).double() @ w_sym.t() + group_sums(x.float().double(), scale.shape[1]) @ off.t()
+
+
+def stack_at_every_step_size(monkeypatch) -> None:
+    """Keep ``native`` float32 layers in the one-call decoder stack at every step size, in this process and
+    in tensor-parallel ranks started after this call: the stack's own tests hold it to the per-op path on
+    prefill-sized steps too (the engine leaves steps above ``NATIVE_F32_MAX_ROWS`` to the per-op path when
+    the stack holds a native layer; tests/model/test_native_prefill_rows.py covers that split)."""
+    from appliance.layers.methods import floating
+
+    big = 1 << 30
+    monkeypatch.setattr(floating, "NATIVE_F32_MAX_ROWS", big)
+    monkeypatch.setenv(floating.NATIVE_F32_MAX_ROWS_ENV, str(big))

@@ -352,7 +352,7 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
             raise ValueError(f"no linear backend can run layer {key} with dtype {dtype} on {device}")
         # layers of one shape whose stored formats differ (a GGUF mix: a q/k/v holding a Q8_0 v beside
         # all-Q5_0 ones) have other candidates: each candidate set is chosen on its own
-        key = f"{key}|{'+'.join(sorted(cands))}"
+        key = f"{key}|{'+'.join(sorted(map(_candidate_tag, cands)))}"
         if key in choices:
             chosen[id(m)] = choices[key]
             continue
@@ -406,6 +406,13 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
             name += f" [{'+'.join(sorted(m.candidates(dtype, device)))}]"
         report[name] = chosen[id(m)]
     return report
+
+
+def _candidate_tag(name: str) -> str:
+    """A candidate as the choice's key names it: ``native``, or ``native@r1`` from its revision 1 on
+    (``LinearMethod.revision``), so that a choice timed before a method changed is not reused."""
+    rev = methods.get(name).revision
+    return f"{name}@r{rev}" if rev else name
 
 
 def _rows_suffix(m: LinearBase) -> str:

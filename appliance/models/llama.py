@@ -18,6 +18,7 @@ from appliance.errors import ModelLoadError
 from appliance.layers.attention import Attention, layer_sliding_windows
 from appliance.layers.forward_context import current_ops, get_forward_context
 from appliance.layers.linear import Linear
+from appliance.layers.methods import floating
 from appliance.layers.norm import RMSNorm
 from appliance.layers.rotary import build_inv_freq, cos_sin_cache, rope_parameters, rotary_dim
 from appliance.layers.vocab import VocabEmbedding, tied_lm_head
@@ -361,9 +362,18 @@ def cached_fused_plan(model: nn.Module):
     plan = model.__dict__.get("_fused_plan")
     if plan is None or plan[0] != key:
         scales = _fused_kv_scales(ops, ctx.kv_caches, ctx.kv_scales)
-        plan = (key, None if scales is None else model._build_fused_plan(ctx.kv_caches), scales)
+        built = None if scales is None else model._build_fused_plan(ctx.kv_caches)
+        native_f32 = built is not None and any(m.backend == "native" for i in range(len(model.model.layers))
+                                               for m in model._linears(i))
+        plan = (key, built, scales, native_f32)
         model.__dict__["_fused_plan"] = plan
-    return None if plan[1] is None else (plan[1], ctx, all_reduce, plan[2])
+    if plan[1] is None:
+        return None
+    if plan[3] and ctx.attn.slot_mapping.shape[0] > floating.NATIVE_F32_MAX_ROWS:
+        # the stack applies a native layer with the panel kernel at any number of rows; the per-op
+        # path gives a prefill-sized step torch's batched GEMM over the same panels (NativeLinear)
+        return None
+    return plan[1], ctx, all_reduce, plan[2]
 
 # tensor-parallel support: the architectures of this file shard (appliance.distributed)
 supports_tensor_parallel = True

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import drive_engine, engine_logits
+from helpers import drive_engine, engine_logits, stack_at_every_step_size
 from test_tp_engine import PARAMS, prompts
 
 from appliance.config import EngineConfig
@@ -29,10 +29,12 @@ def _fused_calls(engine) -> list[int]:
 def engines(tiny_model_dir):
     assert native.is_available(), native.unavailable_reason()
     path = tiny_model_dir("llama")
-    tp1 = LLMEngine(EngineConfig(model=str(path), linear_backend="native", **CONFIG))
-    tp2 = LLMEngine(EngineConfig(model=str(path), linear_backend="native", tensor_parallel_size=2, **CONFIG))
-    yield path, tp1, tp2
-    tp2.runner.close()
+    with pytest.MonkeyPatch.context() as mp:
+        stack_at_every_step_size(mp)  # whole-prompt logits (up to 40 tokens) through the stack too
+        tp1 = LLMEngine(EngineConfig(model=str(path), linear_backend="native", **CONFIG))
+        tp2 = LLMEngine(EngineConfig(model=str(path), linear_backend="native", tensor_parallel_size=2, **CONFIG))
+        yield path, tp1, tp2
+        tp2.runner.close()
 
 
 def test_every_rank_runs_the_fused_stack_with_its_shard(engines):

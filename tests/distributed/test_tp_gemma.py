@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import drive_engine, engine_logits
+from helpers import drive_engine, engine_logits, stack_at_every_step_size
 from test_tp_engine import PARAMS, prompts
 
 from appliance import LLM
@@ -42,10 +42,12 @@ def engines(request, tiny_model_dir):
     assert native.is_available(), native.unavailable_reason()
     arch, tie, kw = CASES[request.param]
     path = tiny_model_dir(arch, tie, 2, **kw)
-    tp1 = LLMEngine(EngineConfig(model=str(path), **CONFIG))
-    tp2 = LLMEngine(EngineConfig(model=str(path), tensor_parallel_size=2, **CONFIG))
-    yield path, tp1, tp2
-    tp2.runner.close()
+    with pytest.MonkeyPatch.context() as mp:
+        stack_at_every_step_size(mp)  # whole-prompt logits through the stack too
+        tp1 = LLMEngine(EngineConfig(model=str(path), **CONFIG))
+        tp2 = LLMEngine(EngineConfig(model=str(path), tensor_parallel_size=2, **CONFIG))
+        yield path, tp1, tp2
+        tp2.runner.close()
 
 
 def test_gemma_tp2_is_sharded(engines):

@@ -31,6 +31,10 @@ KERNEL_AND_LINEAR = ["tests/ops", "tests/quant/test_kernels.py", "tests/quant/te
                      "tests/model/test_gemma_fused.py",
                      "tests/model/test_kv_cache_dtype.py", "tests/model/test_fused_kv_cache_dtype.py",
                      "tests/quant/test_lowbit_native.py",
+                     # native float32: the panel kernel at decode rows, torch's batched GEMM over its panels above
+                     "tests/model/test_native_prefill_rows.py",
+                     "tests/unit/test_linear_methods.py::test_native_f32_takes_prefill_rows_through_a_batched_gemm_over_its_panels",
+                     "tests/unit/test_linear_methods.py::test_native_f32_silu_mul_above_the_kernel_rows_matches_the_reference",
                      "tests/quant/test_kquant_scales.py",
                      # K-quant packs of tensor-parallel ranks (finer super-blocks where a rank cuts one)
                      "tests/distributed/test_tp_kquant.py",

@@ -19,7 +19,7 @@ from appliance import LLM, SamplingParams
 from appliance.config import EngineConfig
 from appliance.engine.llm_engine import LLMEngine
 from appliance.ops import native
-from helpers import drive_engine, engine_logits, skip_unless_backend
+from helpers import drive_engine, engine_logits, skip_unless_backend, stack_at_every_step_size
 
 KV_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
              "bfloat16": torch.bfloat16}
@@ -33,8 +33,9 @@ MAX_NEW = 16
 
 
 @pytest.fixture(autouse=True)
-def _native():
+def _native(monkeypatch):
     assert native.is_available(), native.unavailable_reason()
+    stack_at_every_step_size(monkeypatch)  # the stack on prefill-sized steps too
 
 
 def _llm(path, kv_cache_dtype, dtype="float32", **kw):

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import engine_logits, hf_greedy
+from helpers import engine_logits, hf_greedy, stack_at_every_step_size
 from test_gemma import CASES, MAX_NEW, PROMPTS
 
 from appliance import LLM, SamplingParams
 from appliance.ops import native
+
+
+@pytest.fixture(autouse=True)
+def _stack_at_every_step_size(monkeypatch):
+    stack_at_every_step_size(monkeypatch)  # the stack on prefill-sized steps too
 
 
 def _counting(monkeypatch):

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from appliance import LLM, SamplingParams
-from helpers import engine_logits, hf_greedy, skip_unless_backend
+from helpers import engine_logits, hf_greedy, skip_unless_backend, stack_at_every_step_size
 
 PROMPTS = [
     "The quick brown fox",
@@ -101,6 +101,7 @@ def test_fused_native_layers_match_per_op_path_and_transformers(tiny_model_dir, 
     (ops.native.llama_layers; q/k/v bias of Qwen2, q/k norm of Qwen3, MQA). It gives transformers'
     greedy tokens and logits (1e-4), and exactly the per-op path's logits: the same kernels in the
     same order."""
+    stack_at_every_step_size(monkeypatch)
     from appliance.ops import native
 
     assert native.is_available(), native.unavailable_reason()
@@ -135,6 +136,7 @@ def test_fused_layers_equal_per_op_path_for_every_float_backend(tiny_model_dir, 
     """The one-call decoder stack takes every float linear backend (oneDNN's packed weights through
     mkldnn::_linear_pointwise, F.linear, the native GEMM) and bfloat16 as well: the logits of every
     step are bitwise the per-op path's, which runs the same functions one Python call at a time."""
+    stack_at_every_step_size(monkeypatch)
     from appliance.ops import native
 
     skip_unless_backend(linear, getattr(torch, dtype))

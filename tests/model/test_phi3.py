@@ -15,7 +15,7 @@ import pytest
 from appliance import LLM, SamplingParams
 from appliance.config import EngineConfig
 from appliance.engine.llm_engine import LLMEngine
-from helpers import check_against_transformers, engine_logits, hf_greedy
+from helpers import check_against_transformers, engine_logits, hf_greedy, stack_at_every_step_size
 from test_engine_invariance import run_engine
 
 ORIGINAL = 64  # original_max_position_embeddings of the tiny models; max_position_embeddings is 512
@@ -89,6 +89,7 @@ def test_longrope_regime_is_chosen_from_max_model_len(tiny_model_dir):
 def test_fused_native_stack_takes_partial_rotary(tiny_model_dir, monkeypatch):
     """Native linears and attention: the one-call decoder stack runs Phi-4-mini's shape (partial
     rotary, tied embeddings) and gives transformers' tokens and logits."""
+    stack_at_every_step_size(monkeypatch)
     from appliance.ops import native
 
     assert native.is_available(), native.unavailable_reason()

@@ -83,3 +83,40 @@ def test_child_openmp_threads_are_pinned():
     assert out["n"] == 1
     # libgomp binds the initial thread to place 0: our CPU.
     assert str(allowed[-1]) in out["tids"].values()
+
+
+CHILD_PRIVATE_LIBGOMP = r"""
+import importlib.util, json, os, torch
+from appliance.runtime.openmp import mapped_libgomp
+from appliance.runtime.threads import thread_affinities
+torch.ones(256, 256) @ torch.ones(256, 256)
+has_sp = importlib.util.find_spec("sentencepiece") is not None
+if has_sp:
+    import sentencepiece  # noqa: F401  (its wheel's private libgomp-<hash>.so loads now)
+torch.ones(512, 512) @ torch.ones(512, 512)
+maps = open("/proc/self/maps").read()
+print(json.dumps({"tids": thread_affinities(), "n": torch.get_num_threads(), "has_sp": has_sp,
+                  "libgomp": mapped_libgomp(), "private": "libgomp-" in maps}))
+"""
+
+
+def test_a_private_libgomp_loaded_after_torch_warns_but_leaves_torch_threads_pinned():
+    """The engine process (``appliance serve``'s worker, the re-executed ``appliance bench``) starts with
+    OMP_PLACES one CPU per thread; torch's libgomp binds the main thread to place 0 when it loads. A wheel's
+    private copy loaded later (sentencepiece, when transformers' tokenizer code imports it) reads the same
+    OMP_PLACES, finds only place 0 in the main thread's mask and prints "libgomp: Number of places reduced
+    from N to 1" (bench/results/spec.txt's warning). Harmless: that copy serves only its own extension's
+    parallel regions (none at tokenization); torch's team keeps one thread on each placed CPU."""
+    allowed = sorted(os.sched_getaffinity(0))[:2]
+    p = threads.resolve(threads.format_cpu_list(allowed))
+    env = dict(os.environ, **threads.omp_env(p))
+    r = subprocess.run([sys.executable, "-c", CHILD_PRIVATE_LIBGOMP], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["n"] == len(allowed) and "libgomp-" not in os.path.basename(out["libgomp"] or "")
+    pinned = sorted(v for v in out["tids"].values() if v in {str(c) for c in allowed})
+    assert {str(c) for c in allowed} <= set(pinned), out["tids"]  # every placed CPU runs a torch thread
+    warned = "Number of places reduced" in r.stderr
+    # the warning comes from the private copy, and only where it has a place to drop
+    assert warned == (out["private"] and len(allowed) > 1), (r.stderr, out)

@@ -157,3 +157,83 @@ def test_a_gate_up_timed_with_its_silu_is_kept_apart_from_the_same_shape_without
     linear.select_backends(nn.Sequential(swiglu), "auto", torch.float32, CPU)
     assert (geglu.backend, swiglu.backend) == (cands[0], cands[-1])
     assert calls == [False, True]
+
+
+@pytest.mark.parametrize("n,k,bias", [(96, 64, True), (100, 72, False), (49, 64, True)])
+def test_native_f32_takes_prefill_rows_through_a_batched_gemm_over_its_panels(n, k, bias, monkeypatch):
+    """``native`` float32: up to ``NATIVE_F32_MAX_ROWS`` rows the panel kernel, above them torch's
+    batched GEMM over the same packed panels (the panel kernel has no blocking over rows: 3-6x slower
+    than a cache-blocked GEMM at prefill sizes, so ``auto`` never chose it for a float model and batch-1
+    decode lost its fastest kernel). Both against the fp64 reference, output widths not a multiple of
+    the 32-column panel, a 3-D x; the kernel is called exactly for the small row counts."""
+    from appliance.layers.methods import floating
+    from appliance.ops import native
+
+    m = methods.get("native")
+    if m.host_problem(torch.float32, CPU):
+        with pytest.raises(ValueError, match="native"):
+            m.pack(torch.zeros(n, k), None)
+        return
+    limit = floating.NATIVE_F32_MAX_ROWS
+    kernel_rows = []
+    real = native.gemm_f32
+    monkeypatch.setattr(native, "gemm_f32", lambda x, *a, **kw: kernel_rows.append(x.shape[0]) or real(x, *a, **kw))
+    torch.manual_seed(0)
+    w, b = torch.randn(n, k), (torch.randn(n) if bias else None)
+    p = m.pack(w, b)
+    for shape in [(1, k), (limit, k), (limit + 1, k), (256, k), (3, 40, k)]:
+        x = torch.randn(*shape)
+        torch.testing.assert_close(m.apply(p, x).double(), m.reference(x, w, b), atol=1e-4, rtol=1e-5)
+    assert kernel_rows == [1, limit]
+
+
+def test_native_f32_silu_mul_above_the_kernel_rows_matches_the_reference(monkeypatch):
+    """The [gate; up] projection packed for the silu epilogue (rows interleaved 16 gate / 16 up per
+    panel): above ``NATIVE_F32_MAX_ROWS`` rows ``apply_silu_mul`` undoes the interleave itself and
+    gives silu(gate) * up in the checkpoint's column order, as the kernel's epilogue does below it."""
+    from appliance.layers.methods import floating
+
+    m = methods.get("native")
+    if m.host_problem(torch.float32, CPU):
+        pytest.skip(f"native: {m.host_problem(torch.float32, CPU)} (its refusal: the test above)")
+    inter, k = 64, 48
+    torch.manual_seed(1)
+    w, b = torch.randn(2 * inter, k), torch.randn(2 * inter)
+    p = m.pack(w, b, silu_mul=True)
+    assert m.fused_silu_mul(p)
+    for rows in (1, floating.NATIVE_F32_MAX_ROWS, floating.NATIVE_F32_MAX_ROWS + 1, 200):
+        x = torch.randn(rows, k)
+        ref = m.reference(x, w, b)
+        want = F.silu(ref[:, :inter]) * ref[:, inter:]
+        torch.testing.assert_close(m.apply_silu_mul(p, x).double(), want, atol=2e-4, rtol=1e-5)
+        torch.testing.assert_close(m.apply(p, x).double(), ref, atol=1e-4, rtol=1e-5)
+
+
+def test_a_choice_timed_before_a_method_changed_is_timed_again(monkeypatch, tmp_path):
+    """A method's ``revision`` is in the choice's key: a choice cached while ``native`` ran prefill rows
+    through its panel kernel (revision 0, which always lost there) is not reused once it changed."""
+    import json
+
+    monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(tmp_path))
+    cands = linear.float_candidates(torch.float32, CPU)
+    if "native" not in cands:
+        pytest.skip(f"no native float32 method on this host ({cands})")
+    assert methods.get("native").revision >= 1
+    calls = []
+
+    def fake_measure(self, candidates, rows, timer):
+        calls.append(1)
+        return {c: (0.0 if c == "native" else 1.0) for c in candidates}
+
+    monkeypatch.setattr(linear.Linear, "measure", fake_measure)
+    lin = _layer()
+    linear.select_backends(nn.Sequential(lin), "auto", torch.float32, CPU)
+    cache = json.loads((tmp_path / "linear_backends.json").read_text())
+    (key,) = cache
+    assert "native@r" in key and cache[key] == "native"
+    # the same entry as an older build wrote it (no revision in the key), choosing another method
+    stale = {key.replace(f"native@r{methods.get('native').revision}", "native"): "torch"}
+    (tmp_path / "linear_backends.json").write_text(json.dumps(stale))
+    lin2 = _layer()
+    linear.select_backends(nn.Sequential(lin2), "auto", torch.float32, CPU)
+    assert lin2.backend == "native" and len(calls) == 2

@@ -41,6 +41,9 @@ class LinearMethod:
     scheme: str  # one of SCHEMES
     # Whether the one-call decoder stack can apply this method's layers (a LinearKind), or None.
     fused_kind: int | None = None
+    # Raised when what the method runs changes its speed (a new path for some batch sizes): backend
+    # choices cached with an older revision among the candidates are timed anew (select_backends).
+    revision: int = 0
 
     def host_problem(self, dtype: torch.dtype = torch.float32,
                      device: torch.device = torch.device("cpu")) -> str | None:

@@ -7,6 +7,8 @@ it into its GEMM).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -103,6 +105,50 @@ class OneDNNLinear(FloatMethod):
 
 
 
+# Rows of x above which ``native`` applies its panels with torch's batched GEMM (one [K, 32] panel
+# per batch entry) instead of the native panel kernel: that kernel streams each panel from memory
+# while it computes and is the fastest at decode rows (1 to a few: a step, a speculative verify
+# chunk), but has no blocking over rows and loses 3-6x to a cache-blocked GEMM at prefill sizes. Both
+# read the one packed weight, so the layer holds no second copy. The one-call decoder stack
+# (``models.llama.cached_fused_plan``) leaves steps of more tokens than this to the per-op path when
+# it holds a native layer. ``APPLIANCE_NATIVE_F32_MAX_ROWS`` moves the limit (read at import, so that
+# tensor-parallel ranks started later see it too; the fused-stack tests raise it to hold the stack to
+# the per-op path at every step size).
+NATIVE_F32_MAX_ROWS_ENV = "APPLIANCE_NATIVE_F32_MAX_ROWS"
+
+
+def _max_rows_from_env() -> int:
+    raw = os.environ.get(NATIVE_F32_MAX_ROWS_ENV, "16")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 1:
+        raise ValueError(f"{NATIVE_F32_MAX_ROWS_ENV} must be an integer >= 1; got {raw!r}")
+    return value
+
+
+NATIVE_F32_MAX_ROWS = _max_rows_from_env()
+
+
+def _panel_rows(x: torch.Tensor) -> int:
+    return x.numel() // max(1, x.shape[-1])
+
+
+def _panels_matmul(p: dict, x: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` over ``pack_f32``'s panels ``[P, K, 32]`` with torch's batched GEMM (the
+    columns in the packed order: ``[..., n]``)."""
+    lead, n = x.shape[:-1], p["n"]
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.matmul(x2, p["w"])  # [P, M, 32]
+    y = y.permute(1, 0, 2).reshape(x2.shape[0], -1)
+    if y.shape[1] != n:
+        y = y[:, :n]
+    if p["bias"] is not None:
+        y = y + p["bias"]
+    return y.reshape(*lead, n)
+
+
 @register
 class NativeLinear(FloatMethod):
     """float32: the weight prepacked once into panels of 32 output columns and applied by the native
@@ -116,6 +162,7 @@ class NativeLinear(FloatMethod):
 
     name = "native"
     fused_kind = 0
+    revision = 1  # 1: rows above NATIVE_F32_MAX_ROWS through torch's batched GEMM
 
     def host_problem(self, dtype=torch.float32, device=torch.device("cpu")):
         if native_gemm_available(dtype, device):
@@ -137,12 +184,20 @@ class NativeLinear(FloatMethod):
                 "unorder": None if order is None else torch.argsort(order)}
 
     def apply(self, p, x):
-        y = _native().gemm_f32(x, p["w"], p["bias"], p["n"])
+        if _panel_rows(x) > NATIVE_F32_MAX_ROWS:
+            y = _panels_matmul(p, x)
+        else:
+            y = _native().gemm_f32(x, p["w"], p["bias"], p["n"])
         # rows interleaved for silu_mul: put the columns back (not the MLP's path)
         return y if p["unorder"] is None else y[..., p["unorder"]]
 
     def apply_silu_mul(self, p, x):
         """``silu(gate) * up`` of a [gate; up] projection packed with ``silu_mul`` (``[..., n/2]``)."""
+        if _panel_rows(x) > NATIVE_F32_MAX_ROWS:
+            y = _panels_matmul(p, x)
+            h = _native().SGEMM_PANEL // 2  # each panel: 16 gate columns, then their 16 up columns
+            y = y.view(*y.shape[:-1], -1, 2, h)
+            return (F.silu(y[..., 0, :]) * y[..., 1, :]).flatten(-2)
         return _native().gemm_f32(x, p["w"], p["bias"], p["n"], silu_mul=True)
 
     def fused_silu_mul(self, p):
