@@ -14,6 +14,7 @@ import torch
 
 from appliance.layers.forward_context import ForwardContext, set_forward_context
 from appliance.layers.fused_moe import grouped_experts, native_plan
+from appliance.layers.methods import floating
 from appliance.models.moe import ARCHS, MoeConfig, SparseMoeBlock
 from appliance.ops import native
 
@@ -92,9 +93,17 @@ def test_native_f32_experts_match_fp64_per_token_loop(variant, case, tokens):
     w = torch.rand(tokens, TOP_K, generator=g)
     got = _call(block, x, ids, w)
     _check(got, _fp64_reference(block, weights, x, ids, w))
-    # the per-expert path with the same methods: the same micro-kernel over the same row blocks
+    # the per-expert path with the same methods: the same micro-kernel over the same row blocks while
+    # no expert has more rows than the native float32 method keeps on its panel kernel; above that,
+    # the per-expert layer runs torch's batched GEMM over the panels (floating.NATIVE_F32_MAX_ROWS),
+    # so the two agree to the fp64 reference's tolerance instead of bit for bit
     with set_forward_context(ForwardContext(None, [], native)):
-        assert torch.equal(got, grouped_experts(x, ids, w, block.experts))
+        per_expert = grouped_experts(x, ids, w, block.experts)
+    rows = torch.bincount(ids.flatten(), minlength=len(block.experts)) if ids.numel() else torch.zeros(1)
+    if int(rows.max()) <= floating.NATIVE_F32_MAX_ROWS:
+        assert torch.equal(got, per_expert)
+    else:
+        _check(per_expert, _fp64_reference(block, weights, x, ids, w))
 
 
 @pytest.mark.parametrize("backend", ["torch", "onednn"])
