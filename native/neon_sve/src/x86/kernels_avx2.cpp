@@ -169,28 +169,10 @@ static void qk_tile(const float* Q, const void*, int M, const KT* K, int n, int 
   for (; r < M; ++r) qk_rows<1>(Q + (int64_t)r * D, K, n, D, S + (int64_t)r * lds, lds);
 }
 
+// P.V of the dims from d0 on, 8 at a time (what is left past the wide kernels' blocks).
 template <int R, class KT>
-static inline void pv_rows(float* A, const float* P, int lds, const KT* V, int n, int D) {
-  int d = 0;
-  for (; d + 32 <= D; d += 32) {
-    __m256 acc[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_loadu_ps(A + (int64_t)r * D + d + 8 * i);
-    for (int j = 0; j < n; ++j) {
-      const KT* v = V + (int64_t)j * D + d;
-      const __m256 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
-      for (int r = 0; r < R; ++r) {
-        const __m256 pj = _mm256_broadcast_ss(P + (int64_t)r * lds + j);
-        acc[r][0] = _mm256_fmadd_ps(pj, v0, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(pj, v1, acc[r][1]);
-        acc[r][2] = _mm256_fmadd_ps(pj, v2, acc[r][2]);
-        acc[r][3] = _mm256_fmadd_ps(pj, v3, acc[r][3]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(A + (int64_t)r * D + d + 8 * i, acc[r][i]);
-  }
-  for (; d < D; d += 8) {
+static inline void pv_tail8(float* A, const float* P, int lds, const KT* V, int n, int D, int d0) {
+  for (int d = d0; d < D; d += 8) {
     for (int r = 0; r < R; ++r) {
       __m256 a0 = _mm256_loadu_ps(A + (int64_t)r * D + d);
       for (int j = 0; j < n; ++j)
@@ -200,7 +182,7 @@ static inline void pv_rows(float* A, const float* P, int lds, const KT* V, int n
   }
 }
 
-// pv_rows over 16 dims at a time, up to 3 rows sharing each (converted) code load; even and odd
+// P.V over 16 dims at a time, up to 3 rows sharing each (converted) code load; even and odd
 // tokens go to two sets of accumulators (4R of them), so that the FMA latency does not bound the
 // loop (one set of 2R chains waits 4 cycles per token).
 template <int R, class KT>
@@ -244,21 +226,15 @@ static inline void pv_rows16(float* A, const float* P, int lds, const KT* V, int
       for (int i = 0; i < 2; ++i)
         _mm256_storeu_ps(A + (int64_t)r * D + d + 8 * i, _mm256_add_ps(acc[r][i], alt[r][i]));
   }
-  for (; d < D; d += 8) {
-    for (int r = 0; r < R; ++r) {
-      __m256 a0 = _mm256_loadu_ps(A + (int64_t)r * D + d);
-      for (int j = 0; j < n; ++j)
-        a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(P + (int64_t)r * lds + j), load8(V + (int64_t)j * D + d), a0);
-      _mm256_storeu_ps(A + (int64_t)r * D + d, a0);
-    }
-  }
+  pv_tail8<R>(A, P, lds, V, n, D, d);
 }
 
-// pv_rows over 32 dims at a time for up to 3 rows: 4R accumulators stay in registers over the
+// P.V over 32 dims at a time for up to 3 rows: 4R accumulators stay in registers over the
 // tile's tokens, the R weights are broadcast once per token and 32 dims (not once per 16), and each
 // converted 8-code vector feeds the R rows before the next is loaded (12 + 3 + 1 of the 16 ymm
 // registers at R = 3). Each accumulator takes one FMA per token, 4R independent chains: enough to
-// cover the FMA latency without a second set. Dims past the last multiple of 32 go to pv_rows16.
+// cover the FMA latency without a second set. Dims past the last multiple of 32: quantized codes go
+// to pv_rows16, float and bf16 values 8 at a time.
 template <int R, class KT>
 static inline void pv_rows32(float* A, const float* P, int lds, const KT* V, int n, int D) {
   int d = 0;
@@ -279,7 +255,11 @@ static inline void pv_rows32(float* A, const float* P, int lds, const KT* V, int
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < 4; ++i) _mm256_storeu_ps(A + (int64_t)r * D + d + 8 * i, acc[r][i]);
   }
-  if (d < D) pv_rows16<R>(A, P, lds, V, n, D, d);
+  if constexpr (KvQuant<KT>::value) {
+    if (d < D) pv_rows16<R>(A, P, lds, V, n, D, d);
+  } else {
+    pv_tail8<R>(A, P, lds, V, n, D, d);
+  }
 }
 
 template <class KT>
@@ -300,8 +280,8 @@ static void pv_tile(float* A, int M, const float* P, int lds, const KT* V, int n
     if (M - r == 1) pv_rows16<1>(A + (int64_t)r * D, P + (int64_t)r * lds, lds, V, n, D);
     return;
   }
-  for (; r + 2 <= M; r += 2) pv_rows<2>(A + (int64_t)r * D, P + (int64_t)r * lds, lds, V, n, D);
-  for (; r < M; ++r) pv_rows<1>(A + (int64_t)r * D, P + (int64_t)r * lds, lds, V, n, D);
+  for (; r + 2 <= M; r += 2) pv_rows32<2>(A + (int64_t)r * D, P + (int64_t)r * lds, lds, V, n, D);
+  for (; r < M; ++r) pv_rows32<1>(A + (int64_t)r * D, P + (int64_t)r * lds, lds, V, n, D);
 }
 
 static inline __m256 exp8(__m256 x) {
