@@ -162,7 +162,7 @@ class NativeLinear(FloatMethod):
 
     name = "native"
     fused_kind = 0
-    revision = 1  # 1: rows above NATIVE_F32_MAX_ROWS through torch's batched GEMM
+    revision = 2  # 1: rows above NATIVE_F32_MAX_ROWS through torch's batched GEMM; 2: AVX2 register-blocked block
 
     def host_problem(self, dtype=torch.float32, device=torch.device("cpu")):
         if native_gemm_available(dtype, device):
