@@ -250,15 +250,6 @@ def kernel_variant() -> str:
     return _require().kernel_variant()
 
 
-def int8_kv_quantizes_query(variant: str | None = None) -> bool:
-    """Whether ``variant`` (default: the one in use) computes q.k over an int8 KV cache in integers,
-    the query rows quantized to int8 once per step (``reference.quantize_query_int8``; the reference
-    models it with ``paged_attention_int8_query``). avx2 does: it has no VNNI and its float
-    q.k over int8 codes was bound by the FMA ports (bench/results/attention_kv_dtype.txt). The other
-    variants read int8 codes exactly (float q.k)."""
-    return (variant or kernel_variant()) == "avx2"
-
-
 def available_variants() -> list[str]:
     """Variants this CPU can run, best first (always ends with ``generic``)."""
     return list(_require().available_variants())

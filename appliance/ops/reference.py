@@ -77,21 +77,6 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     return codes, scale
 
 
-def quantize_query_int8(q: torch.Tensor) -> torch.Tensor:
-    """Each row (last dim) of float32 ``q`` quantized symmetric int8 as the cache writer quantizes K
-    (``quantize_kv``): ``s_q = float32(max|q| / 127)`` (1 where that is 0), codes
-    ``round_half_even(clamp(float32(q / s_q), -127, 127))``; returned as the float32 values
-    ``codes * s_q``. What int8 KV's integer q.k reads (``paged_attention_int8_query``).
-
-    Error: each value moves by at most ``s_q / 2``, so a score q.k (k = codes * k_scale) moves by at
-    most ``delta = s_q / 2 * sum_d |k_d|``; the softmax weights by a factor within ``exp(+-2 delta)``
-    of theirs, so an attention output moves by at most ``(exp(2 delta_max) - 1) * max|v|``."""
-    q = q.float()
-    s = q.abs().amax(dim=-1, keepdim=True) / 127.0
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    return torch.round(torch.clamp(q / s, -127.0, 127.0)) * s
-
-
 def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float32 ``codes * scale`` (``scale`` broadcast over the last dim): what attention reads."""
     return codes.float() * scale.unsqueeze(-1)
@@ -240,22 +225,6 @@ def paged_attention(
         o = torch.matmul(probs, v).view(num_heads, q_len, head_size).permute(1, 0, 2)
         out[qsl[i]:qsl[i + 1]] = o.to(query.dtype)
     return out
-
-
-def paged_attention_int8_query(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
-                               *args, int8_query: bool = True, **kw) -> torch.Tensor:
-    """``paged_attention`` over an int8 cache with q.k as the native variants that compute it in
-    integers (``native.int8_kv_quantizes_query``): each row of ``query * scale`` (float32) quantized by
-    ``quantize_query_int8`` and read back as ``codes * s_q``, the scores not scaled again (a query with
-    inf / NaN stays exact, as natively). ``int8_query=False``: plain ``paged_attention``."""
-    if int8_query:
-        if key_cache.dtype != torch.int8:
-            raise ValueError(f"int8_query is a property of int8 KV caches, not {key_cache.dtype}")
-        if query.float().isfinite().all():
-            qq = quantize_query_int8(query.float() * torch.tensor(scale, dtype=torch.float32))
-            return paged_attention(qq, key_cache, value_cache, block_table, seq_lens, query_start_loc, 1.0,
-                                   *args, **kw).to(query.dtype)
-    return paged_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, *args, **kw)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,11 +10,6 @@ Oracles and tolerances:
   * native attention over a quantized cache vs the reference over the same cache (which dequantizes
     it as ``codes * scale`` in float32 and runs the float path): 2e-5 + 2e-5*|ref|, as the float
     caches' tolerance in test_attention.py (same values, another summation order, polynomial exp).
-    A variant that computes q.k over an int8 cache in integers (``native.int8_kv_quantizes_query``:
-    the query rows quantized to int8) against the reference that models it
-    (``reference.paged_attention_int8_query``, ``ref_for``) with the same tolerance, and against the
-    exact reference within the bound derived from the query's rounding
-    (``test_int8_query_rounding_within_derived_bound``).
 """
 from __future__ import annotations
 
@@ -62,13 +57,6 @@ def nearest_codes(y: torch.Tensor, dtype) -> torch.Tensor:
     # among the tied candidates prefer the even code, then the zero of y's sign
     score = cand.long() * 4 + (cand & even).long() * 2 + (cand & (neg == torch.signbit(yd))).long()
     return codes[score.argmax(dim=1)].reshape(y.shape)
-
-
-def ref_for(dtype, *args, **kw) -> torch.Tensor:
-    """The reference the variant in use is held to: an int8 cache's q.k with the query quantized
-    where the variant computes it in integers (native.int8_kv_quantizes_query), else exact."""
-    return reference.paged_attention_int8_query(*args, **kw,
-                                                int8_query=dtype == torch.int8 and native.int8_kv_quantizes_query())
 
 
 def worst_case_rows(head_size: int, seed: int = 0) -> torch.Tensor:
@@ -208,9 +196,7 @@ def test_native_attention_equals_reference(variant, dtype, seqs, num_heads, num_
     torch.testing.assert_close(ref, dense, atol=0, rtol=0)
     out = native.paged_attention(q, kc, vc, bt, sl, qsl, scale, sliding_window=window, logits_soft_cap=soft_cap,
                                  k_scale=ks, v_scale=vs)
-    want = ref_for(dtype, q, kc, vc, bt, sl, qsl, scale, sliding_window=window, logits_soft_cap=soft_cap,
-                   k_scale=ks, v_scale=vs)
-    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
 # the largest finite code of each format, as a storage byte (its negative: | 0x80; int8 also -128),
@@ -254,7 +240,7 @@ def test_native_decode_extreme_codes(variant, dtype, head_size, kmag, vscale):
     qsl = torch.tensor([0, 1], dtype=torch.int32)
     q = torch.randn(1, nh, head_size, generator=g)
     scale = reference.softmax_scale(head_size)
-    ref = ref_for(dtype, q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs)
+    ref = reference.paged_attention(q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs)
     assert ref.isfinite().all()
     out = native.paged_attention(q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs)
     vmax = float(reference.dequantize_kv(vc, vs).abs().max())
@@ -266,7 +252,7 @@ def test_native_attention_bf16_query(variant, dtype):
     # bf16 activations over a quantized cache: the output rounds to bf16 (one ulp: 2e-2 as test_attention)
     q, kc, vc, ks, vs, bt, sl, qsl = quantized_case(CHUNKED, 8, 2, 64, 16, dtype, seed=3, q_dtype=torch.bfloat16)
     scale = reference.softmax_scale(64)
-    ref = ref_for(dtype, q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs).float()
+    ref = reference.paged_attention(q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs).float()
     out = native.paged_attention(q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
@@ -331,7 +317,7 @@ def test_every_code_of_v_read_exactly(variant, dtype):
     q = torch.randn(4, 1, D, generator=torch.Generator().manual_seed(0))
     scale = reference.softmax_scale(D)
     out = native.paged_attention(q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs).reshape(256)
-    ref = ref_for(dtype, q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs).reshape(256)
+    ref = reference.paged_attention(q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs).reshape(256)
     torch.testing.assert_close(out, ref, atol=0, rtol=0, equal_nan=True)
     codes, vals = code_table(dtype)
     want = (vals.float() * torch.tensor(0.3)).float()
@@ -367,7 +353,7 @@ def test_every_finite_code_of_k_read(variant, dtype):
     sl = torch.full((n,), 2, dtype=torch.int32)
     qsl = torch.arange(n + 1, dtype=torch.int32)
     out = native.paged_attention(q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs)[:, 0, 0]
-    ref = ref_for(dtype, q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs)[:, 0, 0]
+    ref = reference.paged_attention(q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs)[:, 0, 0]
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     want = torch.where(vals == 0, torch.full_like(vals, 0.5), torch.sigmoid(torch.full_like(vals, 2.0))).float()
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
@@ -384,68 +370,3 @@ def test_kv_scales_ok_takes_only_the_kernels_layout():
            torch.ones(3, 2, 5), good[:2], good.view(-1)]
     for b in bad:
         assert not native.kv_scales_ok(kc, good, b), b if b is None else (b.dtype, tuple(b.shape), b.stride())
-
-
-@pytest.mark.parametrize("head_size", [64, 80])
-def test_int8_query_rounding_within_derived_bound(variant, head_size):
-    # Every variant's int8-cache decode (quantized query or not) against the exact float64 attention
-    # over the dequantized cache, within the bound of the query's int8 rounding
-    # (reference.quantize_query_int8): each scaled query value moves by at most s_q / 2, so score j
-    # by at most delta_j = s_q / 2 * sum_d |k_jd|; the softmax weights by factors within
-    # exp(+-2 max delta), so the output by at most (exp(2 max delta) - 1) * max |v| (plus the float
-    # kernels' 2e-5). The model's shape (9 heads over 3, 700 keys); the bound is also checked not to
-    # be vacuous (well under max |v|). A variant that reads the codes exactly is far inside it.
-    g = torch.Generator().manual_seed(21)
-    BS, ctx, nkv, nh = 16, 700, 3, 9
-    q, kc, vc, ks, vs, bt, sl, qsl = quantized_case([(1, ctx)], nh, nkv, head_size, BS, torch.int8, seed=21)
-    ks /= 4  # keys N(0, 1) * (1/4 .. 1), queries 1.5 * N(0, 1): the worst-case bound stays informative
-    scale = reference.softmax_scale(head_size)
-    out = native.paged_attention(q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs).double()
-    k = reference.dequantize_kv(kc, ks).double()[bt[0].long()].permute(1, 0, 2, 3).reshape(nkv, -1, head_size)[:, :ctx]
-    v = reference.dequantize_kv(vc, vs).double()[bt[0].long()].permute(1, 0, 2, 3).reshape(nkv, -1, head_size)[:, :ctx]
-    qs = (q.float() * torch.tensor(scale, dtype=torch.float32)).double().view(nkv, nh // nkv, head_size)
-    exact = torch.softmax(qs @ k.transpose(1, 2), dim=-1) @ v  # [nkv, G, D]
-    s_q = qs.abs().amax(dim=-1, keepdim=True) / 127  # [nkv, G, 1]
-    delta = (s_q / 2 * k.abs().sum(-1)[:, None, :]).amax(dim=-1)  # [nkv, G]
-    bound = (torch.exp(2 * delta) - 1) * v.abs().amax(dim=(1, 2))[:, None] + 2e-5
-    err = (out.view(nkv, nh // nkv, head_size) - exact).abs().amax(dim=-1)
-    assert bool((err <= bound).all()), (err, bound)
-    assert float(bound.max()) < 0.5 * float(v.abs().max()), float(bound.max())
-
-
-@pytest.mark.parametrize("kcode", [127, -127, -128, "mixed"])
-def test_int8_query_products_do_not_saturate(variant, kcode):
-    # The integer q.k's worst case (kernels_avx2.cpp: |qc| <= 127 after the sign moves onto it,
-    # |kc| <= 128, pair sums <= 2 * 128 * 127 = 32512 < 32767): every query value of one magnitude
-    # (so every query code is +-127) against K codes all at +-127 / -128, signs random or aligned with
-    # the query's (the largest sums), head size 80 (two 32-dim steps and an 8-dim tail). V = the token
-    # index, so the output says which key won; against the quantized-query reference, where one
-    # saturated int16 sum would move a score by thousands.
-    g = torch.Generator().manual_seed(5)
-    D, BS, ctx = 80, 16, 40
-    nb = (ctx + BS - 1) // BS
-    shape = reference.kv_cache_shape(nb, BS, 1, D)
-    sshape = reference.kv_scale_shape(nb, BS, 1)
-    qsign = torch.where(torch.rand(D, generator=g) < 0.5, -1.0, 1.0)
-    if kcode == "mixed":
-        kb = torch.where(torch.rand(shape, generator=g) < 0.5, torch.tensor(127), torch.tensor(-128))
-        kb = kb * torch.where(torch.rand(shape, generator=g) < 0.5, 1, -1).clamp(min=-1)
-        kb = kb.clamp(-128, 127)
-    else:
-        kb = torch.full(shape, kcode) * (qsign.long() if kcode != -128 else 1)
-        kb = kb.clamp(-128, 127)
-        kb[:, :, ::3] = -kb[:, :, ::3].clamp(-127, 127)  # some keys opposite: scores of both signs
-    kc = kb.to(torch.int8)
-    vc = torch.arange(nb * BS, dtype=torch.float32).view(nb, 1, BS, 1).expand(shape).round().clamp(max=127).to(torch.int8)
-    ks = torch.full(sshape, 1e-3)
-    vs = torch.ones(sshape)
-    q = (qsign * 0.37).view(1, 1, D)
-    bt = torch.arange(nb, dtype=torch.int32).view(1, nb)
-    sl = torch.tensor([ctx], dtype=torch.int32)
-    qsl = torch.tensor([0, 1], dtype=torch.int32)
-    scale = reference.softmax_scale(D)
-    out = native.paged_attention(q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs)
-    want = ref_for(torch.int8, q, kc, vc, bt, sl, qsl, scale, k_scale=ks, v_scale=vs)
-    torch.testing.assert_close(out, want, atol=2e-5 * 40, rtol=2e-5)
-    qq = reference.quantize_query_int8(q * torch.tensor(scale, dtype=torch.float32))
-    assert bool((qq / qq.abs().amax() * 127).round().abs().eq(127).all())  # every query code is +-127

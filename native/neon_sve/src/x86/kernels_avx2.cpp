@@ -73,13 +73,6 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-static inline float hsum_max(__m256 a) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 static inline float hsum(__m256 a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -87,124 +80,7 @@ static inline float hsum(__m256 a) {
   return _mm_cvtss_f32(s);
 }
 
-// int8 KV: q.k in integers (the query quantized, llama.cpp's way for quantized K). AVX2 has no
-// VNNI, and float q.k over int8 codes was ~40% of a decode step at 8k context (one conversion per
-// 8 codes, one FMA per 8 products, bound by the FMA ports); the integer product takes 32 codes per
-// multiply.
-//
-// pack_q quantizes each (already softmax-scaled) query row once per work item, symmetric int8
-// with the cache writer's rounding (kv_quant_row): s_q = float32(max|q| / 127) (1 for an all-zero
-// row or one whose s_q underflows), code = nearest-even(float32(q / s_q)) in [-127, 127]. A row
-// with a non-finite value keeps the float path (exact, NaN/inf as the reference). qk_tile<KvI8>
-// then takes score_j = s_q * sum_d qc_d * kc_d, the integer sum exact in int32 (|sum| <= D * 127 *
-// 128 < 2^24 for D <= 1024, so also exact as a float), and run_item applies the K scale as for
-// every code type. reference.paged_attention_int8_query models this bit for bit up to
-// float32 summation order; native.int8_kv_quantizes_query() says which variant does it.
-//
-// Products of signed bytes: vpmaddubsw multiplies unsigned by signed bytes, so the sign of each
-// K code moves onto the query code (vpsignb: qc * sign(kc), 0 where kc is 0) and K's magnitude
-// |kc| (vpabsb, 0..128 read as unsigned: -128 gives 128, exact) is the unsigned operand. No
-// saturation: qc is in [-127, 127] (negating it cannot overflow), |kc| <= 128, so each pair sum
-// |a0 b0 + a1 b1| <= 2 * 128 * 127 = 32512 < 32767 (int16). vpmaddwd with ones then adds pairs
-// of those into int32 (|.| <= 65024 per lane per 32 dims). The worst case (every code +-127, K also
-// -128) is tests/ops/test_kv_quant.py's extreme-codes test.
-struct QPackI8 {
-  static int8_t* codes(void* buf) { return static_cast<int8_t*>(buf); }  // [M][D]
-  static float* scales(void* buf, int M, int D) {                       // [M], then a flag
-    return reinterpret_cast<float*>(static_cast<char*>(buf) + (int64_t)M * D);
-  }
-};
-static inline void pack_q(const float* Q, int M, int D, void* buf) {
-  // buf holds (M + 2) * D floats: M * D bytes of codes, M scales and the flag fit (D >= 8)
-  int8_t* qc = QPackI8::codes(buf);
-  float* qs = QPackI8::scales(buf, M, D);
-  int finite = 1;
-  for (int r = 0; r < M; ++r) {
-    const float* q = Q + (int64_t)r * D;
-    __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    for (int d = 0; d < D; d += 8) {
-      const __m256 a = _mm256_and_ps(_mm256_loadu_ps(q + d), absm);
-      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, _mm256_set1_ps(3.4028235e38f), _CMP_NLE_UQ));  // inf, NaN
-      mx = _mm256_max_ps(mx, a);
-    }
-    if (_mm256_movemask_ps(bad)) finite = 0;
-    float amax = hsum_max(mx);
-    float s = amax / kI8Max;  // a division, as the reference
-    if (!(s > 0.f)) s = 1.f;
-    qs[r] = s;
-    const __m256 sv = _mm256_set1_ps(s);
-    for (int d = 0; d < D; d += 8) {
-      __m256 y = _mm256_div_ps(_mm256_loadu_ps(q + d), sv);
-      y = _mm256_max_ps(_mm256_min_ps(y, _mm256_set1_ps(kI8Max)), _mm256_set1_ps(-kI8Max));
-      const __m256i c = _mm256_cvtps_epi32(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(qc + (int64_t)r * D + d), _mm_packs_epi16(w, w));
-    }
-  }
-  reinterpret_cast<int*>(qs + M)[0] = finite;
-}
-
-// sum over d < D of qc[d] * kc[d] for R query rows and one key, added into acc[r] (int32 lanes).
-template <int R>
-static inline void qk_i8_key(const int8_t* qc, int D, const int8_t* k, __m256i* acc) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  int d = 0;
-  for (; d + 32 <= D; d += 32) {
-    const __m256i kv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + d));
-    const __m256i ka = _mm256_abs_epi8(kv);
-    for (int r = 0; r < R; ++r) {
-      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qc + (int64_t)r * D + d));
-      const __m256i p = _mm256_maddubs_epi16(ka, _mm256_sign_epi8(qv, kv));
-      acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p, ones));
-    }
-  }
-  for (; d < D; d += 8) {  // 8 dims at a time (head sizes 48, 80, ...): the upper bytes stay zero
-    const __m128i kv = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(k + d));
-    const __m128i ka = _mm_abs_epi8(kv);
-    for (int r = 0; r < R; ++r) {
-      const __m128i qv = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qc + (int64_t)r * D + d));
-      const __m128i p = _mm_madd_epi16(_mm_maddubs_epi16(ka, _mm_sign_epi8(qv, kv)), _mm_set1_epi16(1));
-      acc[r] = _mm256_add_epi32(acc[r], _mm256_zextsi128_si256(p));
-    }
-  }
-}
-
-// R rows' scores of the n keys: 4 keys at a time, two keys' accumulators per row live at once
-// (their pairwise sums kept, one vphaddd), the four keys' sums finished by one more vphaddd and a
-// 128-bit add, converted and scaled by s_q in one multiply per 4 scores.
-template <int R>
-static inline void qk_rows_i8(const int8_t* qc, const float* qs, const KvI8* K, int n, int D, float* s, int lds) {
-  const int8_t* Kb = reinterpret_cast<const int8_t*>(K);
-  int j = 0;
-  for (; j + 4 <= n; j += 4) {
-    const int8_t* k = Kb + (int64_t)j * D;
-    __m256i h[2][R];
-    for (int pr = 0; pr < 2; ++pr) {
-      __m256i a0[R], a1[R];
-      for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
-      qk_i8_key<R>(qc, D, k + (int64_t)(2 * pr) * D, a0);
-      qk_i8_key<R>(qc, D, k + (int64_t)(2 * pr + 1) * D, a1);
-      for (int r = 0; r < R; ++r) h[pr][r] = _mm256_hadd_epi32(a0[r], a1[r]);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256i t = _mm256_hadd_epi32(h[0][r], h[1][r]);
-      const __m128i v = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-      _mm_storeu_ps(s + (int64_t)r * lds + j, _mm_mul_ps(_mm_cvtepi32_ps(v), _mm_set1_ps(qs[r])));
-    }
-  }
-  for (; j < n; ++j) {
-    __m256i a[R];
-    for (int r = 0; r < R; ++r) a[r] = _mm256_setzero_si256();
-    qk_i8_key<R>(qc, D, Kb + (int64_t)j * D, a);
-    for (int r = 0; r < R; ++r) {
-      __m128i v = _mm_add_epi32(_mm256_castsi256_si128(a[r]), _mm256_extracti128_si256(a[r], 1));
-      v = _mm_hadd_epi32(v, v);
-      v = _mm_hadd_epi32(v, v);
-      s[(int64_t)r * lds + j] = (float)_mm_cvtsi128_si32(v) * qs[r];
-    }
-  }
-}
+static inline void pack_q(const float*, int, int, void*) {}
 
 // R query rows of a GQA group share every K (or V) load from L1: fewer loads per FMA.
 template <int R, class KT>
@@ -283,20 +159,9 @@ static inline void qk_rows3(const float* q, const KT* K, int n, int D, float* s,
 }
 
 template <class KT>
-static void qk_tile(const float* Q, const void* qpack, int M, const KT* K, int n, int D, float* S,
+static void qk_tile(const float* Q, const void*, int M, const KT* K, int n, int D, float* S,
                     int lds) {
   int r = 0;
-  if constexpr (std::is_same<KT, KvI8>::value) {
-    void* buf = const_cast<void*>(qpack);
-    const int8_t* qc = QPackI8::codes(buf);
-    const float* qs = QPackI8::scales(buf, M, D);
-    if (reinterpret_cast<const int*>(qs + M)[0]) {  // every row finite (pack_q)
-      for (; r + 3 <= M; r += 3) qk_rows_i8<3>(qc + (int64_t)r * D, qs + r, K, n, D, S + (int64_t)r * lds, lds);
-      if (M - r == 2) qk_rows_i8<2>(qc + (int64_t)r * D, qs + r, K, n, D, S + (int64_t)r * lds, lds);
-      if (M - r == 1) qk_rows_i8<1>(qc + (int64_t)r * D, qs + r, K, n, D, S + (int64_t)r * lds, lds);
-      return;
-    }
-  }
   // a code load is 2-9 instructions: three rows share each (the default model's GQA group is 3)
   if constexpr (KvQuant<KT>::value)
     for (; r + 3 <= M; r += 3) qk_rows3(Q + (int64_t)r * D, K, n, D, S + (int64_t)r * lds, lds);
