@@ -214,15 +214,17 @@ def test_bad_input_is_refused():
 Q_HIDDEN, Q_WIDTH = 128, 96  # W4A8's smallest groups: 16; W8A8 group 32 divides both
 
 
-def _quant_block(scheme, backend, group, seed=0, extremes=False, other=None):
-    """other: {expert index: backend} for the down projections to pack on another method."""
+def _quant_block(scheme, backend, group, seed=0, extremes=False, other=None, w8_low=-128):
+    """other: {expert index: backend} for the down projections to pack on another method; w8_low: the
+    W8 extreme weights' low value (-128: the AVX2 sign kernel's exception, run by the portable loop;
+    -127: every W8 weight at +-127, the sign kernel's own worst case)."""
     from appliance.layers import quant
 
     block, _ = _block(width=Q_WIDTH, seed=seed, hidden=Q_HIDDEN)
     quant.quantize_model(block, scheme, group)
     if extremes:  # every weight at the method's extremes (W8: -128 and 127, W4: -8 and 7), random signs
         g = torch.Generator().manual_seed(seed + 100)
-        lo_q, hi_q = (-128, 127) if scheme == "w8a8" else (-8, 7)
+        lo_q, hi_q = (w8_low, 127) if scheme == "w8a8" else (-8, 7)
         for e in block.experts:
             for lin in (e.gate_up_proj, e.down_proj):
                 pick = torch.rand(lin.qweight.shape, generator=g) < 0.5
@@ -274,15 +276,17 @@ def test_quantized_experts_one_region_equal_per_expert(variant, scheme, backend,
     torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=0)
 
 
-@pytest.mark.parametrize("scheme,backend", [("w8a8", "w8a8_native"), ("w4a8", "w4a8_native")])
-def test_quantized_experts_worst_case_inputs(variant, scheme, backend):
-    """Weights at the integer extremes (W8: -128, the AVX2 sign trick's exception, and 127; W4: -8 and 7)
-    and activations with outliers 1e4 times the rest (one element of a token at +-1e4, a token of all
-    zeros, a constant token): bit for bit the per-expert loop, and the per-token QuantLinear loop."""
+@pytest.mark.parametrize("scheme,backend,w8_low", [("w8a8", "w8a8_native", -128), ("w8a8", "w8a8_native", -127),
+                                                    ("w4a8", "w4a8_native", None)])
+def test_quantized_experts_worst_case_inputs(variant, scheme, backend, w8_low):
+    """Weights at the integer extremes (W8: -128, the AVX2 sign trick's exception, and 127, or +-127, the
+    sign trick's own worst case, whose tiles also prefetch the next item's; W4: -8 and 7) and activations
+    with outliers 1e4 times the rest (one element of a token at +-1e4, a token of all zeros, a constant
+    token): bit for bit the per-expert loop, and the per-token QuantLinear loop."""
     from helpers import skip_unless_backend
 
     skip_unless_backend(backend)
-    block = _quant_block(scheme, backend, 16, seed=3, extremes=True)
+    block = _quant_block(scheme, backend, 16, seed=3, extremes=True, w8_low=w8_low or -128)
     g = torch.Generator().manual_seed(11)
     x = torch.randn(12, Q_HIDDEN, generator=g)
     x[0, 5] = 1e4

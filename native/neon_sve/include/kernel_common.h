@@ -92,6 +92,13 @@ struct W8GBlock {
   int64_t ldo;
   int rows;
   bool has_m128;        // some q == -128 in the weights
+  // Optional software prefetch of the next work item's tile (same K and G: the same projection),
+  // for the variants that issue it (x86 AVX2 sign kernel): its weights line k4 at 4-input step k4 and
+  // its group g's scale and wsum lines at group g, into L2, so that while this tile computes the next
+  // one streams from DRAM. Null: none. Results do not depend on it.
+  const int8_t* pf_w = nullptr;
+  const float* pf_scale = nullptr;
+  const float* pf_wsum = nullptr;
 };
 
 // Low-bit weights (WLowArgs): the centre c of u = q + c, and a 16-row tile's bytes in the hi plane.

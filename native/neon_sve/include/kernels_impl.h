@@ -1403,9 +1403,12 @@ struct MoeQScratch {
 
 // Tile `tile` of expert e's projection p (K inputs, N outputs) over grouped rows [r0, r0 + n) of
 // the quantized activations xq [R, K] (corr, sx, xsum per row): out [R, N] (row stride N).
+// (ne, ntile): the thread's next item of this projection (ne < 0: none), whose W8G tile the first row
+// block prefetches while it computes (W8GBlock::pf_w): at 1-2 rows an expert a tile's arithmetic is
+// shorter than its read from DRAM, and the next expert's weights are not adjacent to this one's.
 static void moe_q_tile(const MoeQProj& p, int64_t e, int64_t tile, int64_t K, int64_t N, const uint8_t* xq,
                        const float* corr, const float* sx, const int32_t* xsum, const float* xs, int64_t r0,
-                       int64_t n, float* out, MoeQScratch& s) {
+                       int64_t n, float* out, MoeQScratch& s, int64_t ne = -1, int64_t ntile = 0) {
   const int64_t G = p.group, groups = K / G;
   const int rows = (int)std::min<int64_t>(16, N - tile * 16);
   if (p.kind == 0) {
@@ -1425,6 +1428,11 @@ static void moe_q_tile(const MoeQProj& p, int64_t e, int64_t tile, int64_t K, in
       b.ldo = N;
       b.rows = rows;
       b.has_m128 = p.m128[e] != 0;
+      if (ne >= 0 && m0 == r0) {
+        b.pf_w = static_cast<const int8_t*>(p.w[ne]) + ntile * 16 * K;
+        b.pf_scale = p.scale[ne] + ntile * groups * 16;
+        b.pf_wsum = static_cast<const float*>(p.wsum[ne]) + ntile * groups * 16;
+      }
       if (!w8g_block_fast(b)) w8g_block_scalar(b, bias);
     }
     return;
@@ -1567,8 +1575,9 @@ static void moe_q(const MoeQArgs& a) {
 #pragma omp for schedule(static)
     for (int64_t w = 0; w < nt * tgu; ++w) {
       const int64_t e = touched[w / tgu];
+      const int64_t ne = w + 1 < nt * tgu ? touched[(w + 1) / tgu] : -1;
       moe_q_tile(a.gu, e, w % tgu, H, 2 * I, xr.data(), cr.data(), sr.data(), xsum_r, fr.data(), a.start[e],
-                 a.start[e + 1] - a.start[e], a.gu_out, scratch);
+                 a.start[e + 1] - a.start[e], a.gu_out, scratch, ne, (w + 1) % tgu);
     }
     // silu(gate) * up (as silu_and_mul in fp32), quantized once for down
 #pragma omp for schedule(static)
@@ -1585,8 +1594,9 @@ static void moe_q(const MoeQArgs& a) {
 #pragma omp for schedule(static)
     for (int64_t w = 0; w < nt * tdn; ++w) {
       const int64_t e = touched[w / tdn];
+      const int64_t ne = w + 1 < nt * tdn ? touched[(w + 1) / tdn] : -1;
       moe_q_tile(a.dn, e, w % tdn, I, H, ar.data(), ca.data(), sa.data(), xsum_a, fa.data(), a.start[e],
-                 a.start[e + 1] - a.start[e], a.y, scratch);
+                 a.start[e + 1] - a.start[e], a.y, scratch, ne, (w + 1) % tdn);
     }
   }
 }
