@@ -83,3 +83,13 @@ def test_engine_greedy_tokens_identical(tiny_model_dir, tmp_path, prompts):
     assert got == want
     # the original as the widened one's draft proposes the widened one's own argmax: all accepted
     assert spec.engine.spec.stats()["spec_decode_acceptance_rate"] == 1.0
+
+
+def test_bench_spec_refuses_an_unknown_target(llama_dir):
+    from typer.testing import CliRunner
+
+    from appliance.cli import app
+
+    for args in (["--target", "expanded-1b"], ["--target", "expanded-0.5b", "--model", str(llama_dir)]):
+        res = CliRunner().invoke(app, ["bench", "spec", *args], catch_exceptions=False)
+        assert res.exit_code == 2 and "--target must be expanded-0.5b" in res.output, res.output
