@@ -6,6 +6,14 @@ The same as `appliance bench spec` (arguments pass through):
 
     .venv/bin/python bench/bench_spec.py --json bench/results/spec.json
     .venv/bin/python bench/bench_spec.py --output-len 16 --concurrency 1 --workloads edit   # quick check
+
+The 0.5B shape (issue 19 asks for one): ``--target expanded-0.5b`` is the default model widened
+function-preservingly to 481M parameters (appliance/bench/expanded_model.py: a 0.5B model's cost per
+token, SmolLM2-135M's text), drafted by the default model's Q4_1 GGUF run quantized
+(bench/results/spec_0.5b.txt):
+
+    .venv/bin/python bench/bench_spec.py --target expanded-0.5b --draft self-gguf --draft-quantization gguf \
+        --llamacpp --output-len 64 --json bench/results/spec_0.5b.json
 """
 from __future__ import annotations
 

@@ -194,6 +194,10 @@ def spec(
                                        "target's float32 GGUF, without and with --draft (a .gguf) as its -md.")]
     = False,
     draft_layers: Annotated[int, Opt(help="Layers of the truncated draft.")] = 2,
+    target: Annotated[Optional[str], Opt(help="expanded-0.5b: instead of --model, the default model widened "
+                                              "function-preservingly to a 0.5B shape (481M parameters, "
+                                              "appliance.bench.expanded_model; written once into "
+                                              "~/.cache/appliance/bench-models/).")] = None,
     settings: Annotated[str, Opt(help="Comma-separated: none | ngram | draft.")] = "none,ngram,draft",
     workloads: Annotated[str, Opt(help="Comma-separated: edit | code | chat.")] = "edit,code,chat",
     concurrency: Annotated[str, Opt(help="Comma-separated concurrency levels.")] = "1,16",
@@ -211,6 +215,12 @@ def spec(
 
     kw = _engine_kwargs(dtype, None, None, None, None, None, num_threads, engine_arg)
     names = [x.strip() for x in settings.split(",") if x.strip()]
+    if target is not None:
+        if target != "expanded-0.5b" or model is not None:
+            _fail(f"--target must be expanded-0.5b, without --model; got {target!r}")
+        from appliance.bench.expanded_model import cached_expanded_default_model
+
+        model = str(cached_expanded_default_model())
     if draft == "truncate" and "draft" in names:
         draft = make_truncated_draft(model, tempfile.mkdtemp(prefix="appliance-draft-"), draft_layers)
     elif draft == "self-gguf":
@@ -239,7 +249,7 @@ def spec(
     for line in add_ratios(rows):
         typer.echo(line)
     if json_out is not None:
-        rec = new_record("spec", dict(model=model, draft=draft, draft_quantization=draft_quantization,
+        rec = new_record("spec", dict(model=model, target=target, draft=draft, draft_quantization=draft_quantization,
                                       output_len=output_len,
                                       num_speculative_tokens=num_speculative_tokens, engine=kw), {"rows": rows})
         json_out.parent.mkdir(parents=True, exist_ok=True)
