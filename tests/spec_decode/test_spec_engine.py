@@ -248,3 +248,34 @@ def test_draft_quantized_apart_from_the_target(llama_dir, reference):
     got = run_engine(engine, ids, GREEDY)
     assert [o.token_ids for o in got] == ref
     assert engine.spec.stats()["spec_decode_acceptance_rate"] > 0.5
+
+
+
+def test_forced_float_backend_with_a_quantized_draft(tmp_path, caplog):
+    """--linear-backend native names the float target's method; a GGUF draft run quantized (every layer
+    and its tied vocabulary Q8_0: no float layer) cannot run it. The draft's layers are chosen as under
+    auto (said in the log), the target's all run native, and the tokens equal those without
+    speculation. A forced backend that the target cannot run is still refused."""
+    from gguf_files import tokenizer_vocab, write_llama_gguf
+
+    types = {"token_embd.weight": "Q8_0"}
+    for i in range(2):
+        for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            types[f"blk.{i}.{t}.weight"] = "Q8_0"
+    path = write_llama_gguf(tmp_path / "q8.gguf", tokenizer_vocab(), types, layers=2, hidden=128, ffn=256,
+                            n_head=4, n_kv=2)
+    cfg = dict(model=str(path), dtype="float32", num_kv_blocks=256)
+    plain = LLMEngine(EngineConfig(**cfg))
+    ids = [plain.tokenizer.encode(t) for t in (REPEAT + "The quick", "Paris is the capital")]
+    ref = [o.token_ids for o in run_engine(plain, ids, GREEDY)]
+    draft = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3, "quantization": "gguf"}
+    with caplog.at_level("WARNING", logger="appliance"):
+        engine = LLMEngine(EngineConfig(linear_backend="native", speculative_config=draft, **cfg))
+    assert any("cannot run linear_backend=native" in r.getMessage() for r in caplog.records)
+    backends = lambda runner: {m.backend for m in runner.model.modules() if hasattr(m, "backend")  # noqa: E731
+                               and hasattr(m, "in_features")}
+    assert backends(engine.runner) == {"native"}, backends(engine.runner)
+    assert backends(engine.spec.draft.runner) and "native" not in backends(engine.spec.draft.runner)
+    assert [o.token_ids for o in run_engine(engine, ids, GREEDY)] == ref
+    with pytest.raises(Exception, match="linear_backend=w8a8_native"):
+        LLMEngine(EngineConfig(linear_backend="w8a8_native", speculative_config=draft, **cfg))

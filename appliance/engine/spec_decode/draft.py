@@ -16,7 +16,7 @@ import torch
 from appliance.config import EngineConfig, SpeculativeConfig
 from appliance.engine.request import Request
 from appliance.engine.scheduler import SchedulerOutput
-from appliance.errors import ModelLoadError
+from appliance.errors import InvalidRequestError, ModelLoadError
 
 log = logging.getLogger("appliance")
 
@@ -74,7 +74,18 @@ class DraftModelProposer:
         if quant == "gguf" and not (path.is_file() and path.suffix.lower() == ".gguf"):
             quant = "none"
         draft_config = config.replace(model=str(path), num_kv_blocks=target_runner.num_blocks, quantization=quant)
-        self.runner = ModelRunner(draft_config, info, target_runner.dtype, max_model_len, target_runner.device)
+        try:
+            self.runner = ModelRunner(draft_config, info, target_runner.dtype, max_model_len, target_runner.device)
+        except InvalidRequestError as e:
+            # --linear-backend names the target's method; a draft whose layers cannot run it (a float
+            # method forced on the target, a quantized draft) has its layers chosen as under auto, said
+            # in the log, rather than refusing a combination that is sound
+            if e.param != "linear_backend" or config.linear_backend == "auto":
+                raise
+            log.warning("speculative decoding: the draft %s cannot run linear_backend=%s (%s); its layers are "
+                        "chosen as under auto", path, config.linear_backend, e)
+            self.runner = ModelRunner(draft_config.replace(linear_backend="auto"), info, target_runner.dtype,
+                                      max_model_len, target_runner.device)
         if self.runner.vocab_size != target_runner.vocab_size:
             raise ModelLoadError(f"{field}={spec.model!r}: vocab_size={self.runner.vocab_size} differs from the "
                                  f"target's {target_runner.vocab_size}")
