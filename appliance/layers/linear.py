@@ -30,8 +30,13 @@ from appliance.layers.methods import FusedLinear, LinearMethod
 from appliance.layers.methods.floating import FloatMethod, native_gemm_available, onednn_available  # noqa: F401
 from appliance.layers.methods.floating import pack_onednn as _pack_onednn  # noqa: F401 - bench scripts
 
-# Batch sizes (rows of x) a choice is timed at: single-sequence decode, batched decode, prefill.
-_PROBE_ROWS = (1, 32, 256)
+# Batch sizes (rows of x) a choice is timed at: single-sequence decode, a speculative verify chunk or
+# a few streams, batched decode (16, 32), a prefill chunk. Each counts alike (relative_cost), so the
+# decode sizes, where serving spends its steps, hold four votes of five. With (1, 32, 256) alone, a
+# method fastest at 4-16 rows and slower at 256 (the native panels' batched GEMM) tied with torch's,
+# and the coin toss decided a 16-request decode's speed (default model, float32: 235-265 tok/s with
+# torch's o/down against 304-317 with native, bench/results/spec.txt).
+_PROBE_ROWS = (1, 4, 16, 32, 256)
 
 
 def share_of_probe_rows(share: float) -> tuple[int, ...]:
@@ -338,7 +343,9 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
     choices: dict[str, str] = {}
     cache, dirty, host = None, False, None
     step_rows = tuple(sorted(set(_PROBE_ROWS) | set(extra_rows)))
-    step_rows_key = "" if step_rows == _PROBE_ROWS else f"|rows{'-'.join(map(str, step_rows))}"
+    # the sizes are part of the key (choices timed at other sizes, an earlier _PROBE_ROWS's, are
+    # timed again)
+    step_rows_key = f"|rows{'-'.join(map(str, step_rows))}"
     chosen: dict[int, str] = {}  # id(layer) -> backend
     for m in layers:
         key, rows = _choice_key(m)

@@ -69,7 +69,7 @@ def test_speculative_verify_rows_are_timed_and_cached_apart(tmp_path, monkeypatc
     def measure(self, cands, rows, timer):
         seen.append(tuple(rows))
         # the last candidate wins when the verify size is timed, the first otherwise
-        return {c: (-i if 4 in rows else i) for i, c in enumerate(cands)}
+        return {c: (-i if 6 in rows else i) for i, c in enumerate(cands)}
 
     monkeypatch.setattr(linear.Linear, "measure", measure)
     lin = linear.Linear(64, 32)
@@ -80,11 +80,11 @@ def test_speculative_verify_rows_are_timed_and_cached_apart(tmp_path, monkeypatc
         pytest.skip(f"one float backend on this host ({cands}): nothing is measured")
     linear.select_backends(nn.Sequential(lin), "auto", torch.float32, torch.device("cpu"))
     plain = lin.backend
-    linear.select_backends(nn.Sequential(lin), "auto", torch.float32, torch.device("cpu"), (4,))
-    assert seen == [linear._PROBE_ROWS, tuple(sorted({*linear._PROBE_ROWS, 4}))]
+    linear.select_backends(nn.Sequential(lin), "auto", torch.float32, torch.device("cpu"), (6,))
+    assert seen == [linear._PROBE_ROWS, tuple(sorted({*linear._PROBE_ROWS, 6}))]
     assert (plain, lin.backend) == (cands[0], cands[-1])
     cache = json.loads((tmp_path / "linear_backends.json").read_text())
-    rows_key = "|rows" + "-".join(map(str, sorted({*linear._PROBE_ROWS, 4}))) + "|"
+    rows_key = "|rows" + "-".join(map(str, sorted({*linear._PROBE_ROWS, 6}))) + "|"
     assert sorted(v for k, v in cache.items() if rows_key in k) == [cands[-1]]
     assert sorted(v for k, v in cache.items() if rows_key not in k) == [cands[0]]
 

@@ -130,7 +130,7 @@ def test_a_layer_with_its_own_probe_rows_is_timed_and_kept_apart(monkeypatch, tm
 
 def test_share_of_probe_rows_is_at_least_one_row():
     assert linear.share_of_probe_rows(1.0) == linear._PROBE_ROWS
-    assert linear.share_of_probe_rows(2 / 8) == (1, 8, 64)
+    assert linear.share_of_probe_rows(2 / 8) == (1, 4, 8, 64)
     assert linear.share_of_probe_rows(1 / 1000) == (1,)
 
 
