@@ -103,14 +103,14 @@ def test_greedy_and_logits_match_transformers(tiny_model_dir, arch, overrides, b
 
 def _assert_experts_chosen_at_their_rows(llm):
     """Every expert projection (float or quantized) has its method chosen at the rows an expert sees:
-    top-2 of 8 experts, a quarter of the step's 1, 32 and 256 rows; the other layers at the step's."""
+    top-2 of 8 experts, a quarter of the step's 1, 4, 16, 32 and 256 rows; the other layers at the step's."""
     model = llm.engine.runner.model
     experts = {id(lin) for b in _sparse_layers(model) for e in b.experts for lin in (e.gate_up_proj, e.down_proj)}
     for name, m in model.named_modules():
         if isinstance(m, LinearBase):
-            assert m.probe_rows == ((1, 8, 64) if id(m) in experts else None), name
+            assert m.probe_rows == ((1, 4, 8, 64) if id(m) in experts else None), name
     keys = llm.engine.runner.linear_backends
-    assert any(k.endswith(" rows 1,8,64") for k in keys) and any(" rows " not in k for k in keys), keys
+    assert any(k.endswith(" rows 1,4,8,64") for k in keys) and any(" rows " not in k for k in keys), keys
 
 
 @pytest.mark.parametrize("linear", ["native", "onednn", "torch"])
