@@ -222,8 +222,10 @@ class SpeculativeConfig:
     ``prompt_lookup_min`` tokens proposes the ``num_speculative_tokens`` that followed it.
     ``draft_model``: ``model`` (same tokenizer and vocabulary) proposes them autoregressively.
     Speculation is off for a step with more than ``disable_by_batch_size`` running requests, and
-    paused for a request whose running acceptance rate falls below ``min_acceptance_rate`` (an
-    appliance key: vLLM has no such switch)."""
+    paused for a request whose running acceptance rate falls below ``min_acceptance_rate``. With
+    ``cost_aware``, a step verifies only the drafts whose expected gain (the request's acceptance
+    rate) exceeds their share of the step's measured time (engine/spec_decode/policy.py); false:
+    every proposed draft. Both are appliance keys: vLLM has no such switches."""
 
     method: str
     num_speculative_tokens: int
@@ -232,6 +234,7 @@ class SpeculativeConfig:
     model: str | None = None
     disable_by_batch_size: int = 8
     min_acceptance_rate: float = 0.2
+    cost_aware: bool = True
     # vLLM's key: how the draft's weights run (one of QUANTIZATIONS); None: the target's. A float
     # target drafted by its own GGUF run as "gguf" is a draft much cheaper than the target.
     quantization: str | None = None
@@ -272,6 +275,9 @@ def parse_speculative_config(value: dict | str) -> SpeculativeConfig:
     if not isinstance(cfg.min_acceptance_rate, (int, float)) or not 0 <= cfg.min_acceptance_rate <= 1:
         raise InvalidRequestError(f"{name}.min_acceptance_rate must be in [0, 1], got {cfg.min_acceptance_rate!r}",
                                   f"{name}.min_acceptance_rate")
+    if not isinstance(cfg.cost_aware, bool):
+        raise InvalidRequestError(f"{name}.cost_aware must be true or false, got {cfg.cost_aware!r}",
+                                  f"{name}.cost_aware")
     if method == "draft_model" and not cfg.model:
         raise InvalidRequestError(f"{name}.model is required with method draft_model, got {cfg.model!r}",
                                   f"{name}.model")

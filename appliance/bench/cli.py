@@ -198,7 +198,8 @@ def spec(
                                               "function-preservingly to a 0.5B shape (481M parameters, "
                                               "appliance.bench.expanded_model; written once into "
                                               "~/.cache/appliance/bench-models/).")] = None,
-    settings: Annotated[str, Opt(help="Comma-separated: none | ngram | draft.")] = "none,ngram,draft",
+    settings: Annotated[str, Opt(help="Comma-separated: none | ngram | draft | ngram-all | draft-all "
+                                         "(-all: every proposed draft verified, no cost policy).")] = "none,ngram,draft",
     workloads: Annotated[str, Opt(help="Comma-separated: edit | code | chat.")] = "edit,code,chat",
     concurrency: Annotated[str, Opt(help="Comma-separated concurrency levels.")] = "1,16",
     output_len: Annotated[int, Opt(help="Tokens per request (greedy, ignore_eos).")] = 128,
@@ -221,7 +222,7 @@ def spec(
         from appliance.bench.expanded_model import cached_expanded_default_model
 
         model = str(cached_expanded_default_model())
-    if draft == "truncate" and "draft" in names:
+    if draft == "truncate" and any(n.removesuffix("-all") == "draft" for n in names):
         draft = make_truncated_draft(model, tempfile.mkdtemp(prefix="appliance-draft-"), draft_layers)
     elif draft == "self-gguf":
         from appliance.models.default_model import default_gguf_path

@@ -118,16 +118,19 @@ def spec_counters(llm) -> dict:
 def run_bench(model: str | None, draft: str | None, settings: list[str], workloads: list[str],
               concurrency: list[int], max_tokens: int, k: int, engine_kwargs: dict, log=print,
               draft_quantization: str | None = None, prompts_out: dict | None = None) -> list[dict]:
-    """One row per (setting, workload, concurrency). ``settings``: none | ngram | draft."""
+    """One row per (setting, workload, concurrency). ``settings``: none | ngram | draft, and
+    ngram-all | draft-all: every proposed draft verified (``cost_aware`` false), against the default
+    that verifies only the drafts that pay for their share of the step."""
     from appliance import LLM
 
     rows = []
     for setting in settings:
         kw = dict(engine_kwargs)
-        if setting == "ngram":
+        method = setting.removesuffix("-all")
+        if method == "ngram":
             kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k,
                                         "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-        elif setting == "draft":
+        elif method == "draft":
             if draft is None:
                 log("draft: skipped (no --draft model given)")
                 continue
@@ -135,7 +138,9 @@ def run_bench(model: str | None, draft: str | None, settings: list[str], workloa
             if draft_quantization is not None:
                 kw["speculative_config"]["quantization"] = draft_quantization
         elif setting != "none":
-            raise ValueError(f"setting must be none, ngram or draft; got {setting!r}")
+            raise ValueError(f"setting must be none, ngram, draft, ngram-all or draft-all; got {setting!r}")
+        if setting.endswith("-all"):
+            kw["speculative_config"]["cost_aware"] = False
         llm = LLM(model, **kw)
         ref_tokens = {}
         run_requests(llm, [prompt_ids(llm, workloads[0])], 4)  # warm-up: first calls of each shape are slow
@@ -152,8 +157,10 @@ def run_bench(model: str | None, draft: str | None, settings: list[str], workloa
                     drafts = after["spec_decode_num_drafts"] - before.get("spec_decode_num_drafts", 0)
                     dt = after["spec_decode_num_draft_tokens"] - before.get("spec_decode_num_draft_tokens", 0)
                     acc = after["spec_decode_num_accepted_tokens"] - before.get("spec_decode_num_accepted_tokens", 0)
+                    trimmed = after["spec_decode_num_trimmed_tokens"] - before.get("spec_decode_num_trimmed_tokens", 0)
                     row.update(acceptance_rate=acc / dt if dt else 0.0,
-                               mean_accepted_length=1 + acc / drafts if drafts else 1.0, num_drafts=drafts)
+                               mean_accepted_length=1 + acc / drafts if drafts else 1.0, num_drafts=drafts,
+                               num_draft_tokens=dt, num_trimmed_tokens=trimmed)
                 rows.append(row)
                 ref_tokens[(w, c)] = res
                 log(format_row(row))
@@ -235,6 +242,8 @@ def add_ratios(rows: list[dict]) -> list[str]:
 def format_row(r: dict) -> str:
     acc = f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else "-"
     mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
+    if "num_trimmed_tokens" in r:  # drafts verified / proposed (the rest trimmed by the cost policy)
+        mal += f"  drafts {r['num_draft_tokens']}/{r['num_draft_tokens'] + r['num_trimmed_tokens']}"
     sp = f"{r['speedup']:.2f}x" if "speedup" in r else ""
     steps = r.get("step_ms") or {}
     # the target's step time by tokens in the step, relative to a 1-token decode step

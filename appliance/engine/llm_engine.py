@@ -396,6 +396,8 @@ class LLMEngine:
         logits, plp = self.runner.execute(sched, plp_rows)
         t2 = time.perf_counter()
         self.scheduler.step_cost.observe(sched.num_batched_tokens, t2 - t1)
+        if self.spec is not None:
+            self.spec.observe_step(sched.scheduled, t2 - t1)
         for i in plp_rows:
             self._record_prompt_logprobs(*sched.scheduled[i], plp[i])
         self.stats["prompt_tokens"] += sum(max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens)

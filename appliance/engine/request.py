@@ -37,7 +37,7 @@ class Request:
         "stop_reason", "num_cached_tokens", "num_preemptions", "arrival_time", "first_token_time",
         "logprobs", "cumulative_logprob", "prompt_logprobs", "scheduled_time", "pooling_params",
         "use_prefix_cache", "spec_token_ids", "spec_num_computed", "spec_acceptance", "spec_paused_steps", "spec_pause_len",
-        "spec_allowed", "spec_k",
+        "spec_allowed", "spec_k", "spec_run_counts",
     )
 
     def __init__(
@@ -90,6 +90,7 @@ class Request:
         self.spec_pause_len = 0  # the last pause's length (doubles while acceptance stays low)
         self.spec_allowed = True  # False: this request never speculates (e.g. structured output)
         self.spec_k = 0  # this request's current draft length (adaptive; 0: not speculated yet, use k)
+        self.spec_run_counts = (0.0, 0.0)  # decayed accepted drafts and rejections (spec_decode/policy.py)
 
     @property
     def num_prompt_tokens(self) -> int:

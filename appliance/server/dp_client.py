@@ -44,7 +44,8 @@ def _spec_totals(per: list[dict]) -> dict:
     """Speculative decoding over replicas: the counters summed, the rates recomputed from the sums
     (an average of per-replica rates would weigh an idle replica like a busy one)."""
     t = {k: sum(s.get(k, 0) for s in per) for k in
-         ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")}
+         ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+          "spec_decode_num_trimmed_tokens")}
     per_pos = [s.get("spec_decode_num_accepted_tokens_per_pos") or [] for s in per]
     t["spec_decode_num_accepted_tokens_per_pos"] = [
         sum(p[i] for p in per_pos if i < len(p)) for i in range(max(map(len, per_pos)))]

@@ -154,6 +154,10 @@ class ServerMetrics:
                  "Tokens per speculating step: 1 + accepted drafts, averaged over steps."),
             ):
                 metric(name, "gauge", help_, [f"{name}{_labels(L)} {_fmt(engine.get(key, 0))}"])
+            name = "appliance:spec_decode_num_trimmed_tokens_total"
+            metric(name, "counter", "Proposed draft tokens not verified: their expected gain was below their share "
+                   "of the step's measured time.",
+                   [f"{name}{_labels(L)} {_fmt(engine.get('spec_decode_num_trimmed_tokens', 0))}"])
         alloc = self.runtime.get("allocator")
         if alloc:
             live = "true" if alloc.get("name") == "mimalloc" else "false"

@@ -78,7 +78,8 @@ def test_engine_greedy_tokens_identical(tiny_model_dir, tmp_path, prompts):
     got = [o.outputs[0].token_ids for o in wide.generate(prompt_token_ids=prompts, sampling_params=sp)]
     assert got == want
     spec = LLM(str(out), dtype="float32", num_kv_blocks=256,
-               speculative_config={"method": "draft_model", "model": str(src), "num_speculative_tokens": 3})
+               speculative_config={"method": "draft_model", "model": str(src), "num_speculative_tokens": 3,
+                                   "cost_aware": False})
     got = [o.outputs[0].token_ids for o in spec.generate(prompt_token_ids=prompts, sampling_params=sp)]
     assert got == want
     # the original as the widened one's draft proposes the widened one's own argmax: all accepted

@@ -107,7 +107,8 @@ def test_tp2_with_ngram_speculation_equals_tp1(engines):
     """Drafts travel to every rank (the vocab-parallel gather needs the same logits rows on each):
     TP=2 verifying n-gram drafts gives TP=1's greedy tokens, with drafts accepted."""
     path, tp1, tp2 = engines
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "cost_aware": False, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
     # one TP engine per process at a time (torch.distributed's default group; rank 0 pins this process):
     # this test runs last for each model, so the module's TP=2 engine is closed first
     tp2.runner.close()

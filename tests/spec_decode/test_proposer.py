@@ -8,6 +8,7 @@ import pytest
 
 from appliance.engine.spec_decode import SpecDecoder, next_draft_length
 from appliance.engine.spec_decode.ngram import propose_ngram
+from appliance.engine.spec_decode.policy import DraftLengthPolicy
 
 
 def test_longest_match_wins_over_a_more_recent_shorter_one():
@@ -34,15 +35,15 @@ def test_draft_length_grows_after_full_acceptance_and_shrinks_after_a_rejection(
 
 
 def _decoder(k=4, lo=1, hi=3):
-    cfg = SimpleNamespace(disable_by_batch_size=8, prompt_lookup_min=lo, prompt_lookup_max=hi)
-    return SimpleNamespace(config=cfg, k=k, draft=None, num_steps_off=0)
+    cfg = SimpleNamespace(disable_by_batch_size=8, prompt_lookup_min=lo, prompt_lookup_max=hi, cost_aware=True)
+    return SimpleNamespace(config=cfg, k=k, draft=None, num_steps_off=0, policy=DraftLengthPolicy())
 
 
 def _request(tokens, num_prompt, max_tokens, spec_k=0):
     return SimpleNamespace(spec_token_ids=[], spec_allowed=True, num_tokens=len(tokens),
                            num_computed_tokens=len(tokens) - 1, spec_paused_steps=0, spec_k=spec_k,
                            max_tokens=max_tokens, num_output_tokens=len(tokens) - num_prompt,
-                           all_token_ids=list(tokens))
+                           all_token_ids=list(tokens), spec_run_counts=(0.0, 0.0))
 
 
 @pytest.mark.parametrize("spec_k, max_tokens, want", [

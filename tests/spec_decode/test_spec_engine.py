@@ -69,9 +69,10 @@ SCHEDULES = {
 
 def spec(method, llama_dir, draft_dirs, k=3):
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+        return {"method": "ngram", "num_speculative_tokens": k, "cost_aware": False, "prompt_lookup_min": 1,
+                "prompt_lookup_max": 3}
     model = llama_dir if method == "draft_same" else draft_dirs["other_weights"]
-    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k}
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k, "cost_aware": False}
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
@@ -122,7 +123,8 @@ def test_length_and_stops_inside_accepted_runs(llama_dir, reference):
     ids, ref = reference
     base = LLM(str(llama_dir), dtype="float32", num_kv_blocks=512)
     llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=512,
-              speculative_config={"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 4})
+              speculative_config={"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 4,
+                                  "cost_aware": False})
     tok = llm.get_tokenizer()
     p, r = ids[0], ref[0]
     cases = [SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
@@ -146,7 +148,8 @@ def test_logprobs_and_penalties_with_speculation(llama_dir, reference):
     ids, _ = reference
     base = LLM(str(llama_dir), dtype="float32", num_kv_blocks=512)
     llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=512,
-              speculative_config={"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3})
+              speculative_config={"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3,
+                                  "cost_aware": False})
     sp = SamplingParams(temperature=0, max_tokens=16, logprobs=3, repetition_penalty=1.3, frequency_penalty=0.5,
                         min_tokens=10, logit_bias={5: 2.0})
     want = base.generate(prompt_token_ids=ids[:3], sampling_params=sp)
@@ -179,13 +182,13 @@ def test_sampled_speculation_runs_and_is_seeded(llama_dir, draft_dirs, reference
 def test_speculation_off_for_large_batches_and_structured_output(llama_dir, reference):
     ids, ref = reference
     engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=512, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 2}))
+        "method": "ngram", "num_speculative_tokens": 3, "cost_aware": False, "disable_by_batch_size": 2}))
     got = run_engine(engine, ids, GREEDY)
     assert [o.token_ids for o in got] == ref
     assert engine.spec.num_steps_off > 0
     # a constrained request decodes plainly beside a speculating one (the grammar masks' rows stay right)
     engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=512, speculative_config={
-        "method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3}))
+        "method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3, "cost_aware": False}))
     engine.add_request("s", ids[1], SamplingParams(temperature=0, max_tokens=12,
                                                    structured_outputs=StructuredOutputsParams(regex="(ab)+c")))
     assert engine.scheduler.requests["s"].spec_allowed is False
@@ -228,7 +231,8 @@ def test_ngram_on_a_fully_windowed_model(tiny_model_dir):
     ids = prompts(base.tokenizer)[:3]
     want = run_engine(base, ids, GREEDY)
     engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=256, block_size=4,
-                                    speculative_config={"method": "ngram", "num_speculative_tokens": 3}))
+                                    speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                        "cost_aware": False}))
     got = run_engine(engine, ids, GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert engine.spec.stats()["spec_decode_num_draft_tokens"] > 0
@@ -240,7 +244,8 @@ def test_draft_quantized_apart_from_the_target(llama_dir, reference):
     tokens equal those without speculation, and the near-identical draft is mostly accepted."""
     ids, ref = reference
     engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=512, speculative_config={
-        "method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3, "quantization": "w8a8"}))
+        "method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3, "cost_aware": False,
+        "quantization": "w8a8"}))
     schemes = lambda runner: {getattr(m, "scheme", "float") for m in runner.model.modules()  # noqa: E731
                               if hasattr(m, "in_features") and hasattr(m, "backend")}
     assert "w8a8" in " ".join(schemes(engine.spec.draft.runner)), schemes(engine.spec.draft.runner)
@@ -268,7 +273,8 @@ def test_forced_float_backend_with_a_quantized_draft(tmp_path, caplog):
     plain = LLMEngine(EngineConfig(**cfg))
     ids = [plain.tokenizer.encode(t) for t in (REPEAT + "The quick", "Paris is the capital")]
     ref = [o.token_ids for o in run_engine(plain, ids, GREEDY)]
-    draft = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3, "quantization": "gguf"}
+    draft = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3, "cost_aware": False,
+             "quantization": "gguf"}
     with caplog.at_level("WARNING", logger="appliance"):
         engine = LLMEngine(EngineConfig(linear_backend="native", speculative_config=draft, **cfg))
     assert any("cannot run linear_backend=native" in r.getMessage() for r in caplog.records)

@@ -10,7 +10,7 @@ from appliance.server.metrics import ServerMetrics
 
 def test_spec_counters_in_metrics(llama_dir):
     engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=128, speculative_config={
-        "method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3}))
+        "method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3, "cost_aware": False}))
     engine.add_request("a", engine.tokenize("The quick brown fox"), SamplingParams(temperature=0, max_tokens=9,
                                                                                    ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -37,11 +37,12 @@ def test_pause_doubles_while_acceptance_stays_low_and_resets_after_a_good_step()
     from types import SimpleNamespace
 
     from appliance.engine.spec_decode import MAX_PAUSE_STEPS, PAUSE_STEPS, SpecDecoder
+    from appliance.engine.spec_decode.policy import DraftLengthPolicy
 
     dec = SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0, num_accepted_per_pos=[0] * 3,
-                          config=SimpleNamespace(min_acceptance_rate=0.2), k=3)
+                          config=SimpleNamespace(min_acceptance_rate=0.2), k=3, policy=DraftLengthPolicy())
     req = SimpleNamespace(spec_acceptance=1.0, spec_pause_len=0, spec_paused_steps=0, spec_num_computed=0,
-                          num_computed_tokens=0, spec_k=0)
+                          num_computed_tokens=0, spec_k=0, spec_run_counts=(0.0, 0.0))
 
     def bad_until_paused():
         req.spec_paused_steps = 0  # the previous pause has run out

@@ -25,6 +25,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
     ({**NGRAM, "prompt_lookup_max": 0}, "speculative_config.prompt_lookup_max", ["0"]),
     ({**NGRAM, "disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size", ["0"]),
     ({**NGRAM, "min_acceptance_rate": 1.5}, "speculative_config.min_acceptance_rate", ["1.5"]),
+    ({**NGRAM, "cost_aware": "yes"}, "speculative_config.cost_aware", ["'yes'", "true or false"]),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model", ["required"]),
     ({**NGRAM, "model": "/x"}, "speculative_config.model", ["'/x'", "ngram"]),
     ({"model": "/d", "num_speculative_tokens": 2, "quantization": "int3"}, "speculative_config.quantization",

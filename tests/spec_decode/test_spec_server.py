@@ -20,7 +20,7 @@ def test_server_speculation_stop_strings_and_metrics(llama_dir):
     want = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
                                                  stop=[stop]))[0].outputs[0]
     assert want.finish_reason == "stop" and len(want.token_ids) < 24
-    spec = {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 4}
+    spec = {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 4, "cost_aware": False}
     cmd = appliance_command(str(llama_dir), {"dtype": "float32", "num_kv_blocks": 128,
                                              "speculative_config": json.dumps(spec)})
     with ServerProcess(cmd, startup_timeout=300) as srv:

@@ -3,7 +3,8 @@
 One step of a speculating request (the engine drives it):
 1. ``before_schedule``: a running decode gets drafts (n-gram: the tokens; draft model: placeholders,
    as the scheduler needs only their count) unless speculation is off for this step (more running
-   requests than ``disable_by_batch_size``) or paused for the request (low acceptance rate).
+   requests than ``disable_by_batch_size``) or paused for the request (low acceptance rate); then
+   ``policy.DraftLengthPolicy`` keeps as many of them as pay for their share of the step's time.
 2. The scheduler gives it 1 + k tokens (its last token and the drafts, fewer when the budget or the
    context is short), a small chunk for the chunked-prefill attention; slots for the drafts come
    from the pool, but only known tokens are hashed into the prefix cache.
@@ -11,11 +12,13 @@ One step of a speculating request (the engine drives it):
 4. The runner returns logits at the last token and at every draft; ``verify`` turns them into the
    emitted tokens (greedy match or rejection sampling on the processed target distributions).
 5. The engine appends them one at a time with the usual stop checks, counts the accepted drafts as
-   computed, releases blocks that held only rejected drafts, and ``record`` updates the statistics.
+   computed, releases blocks that held only rejected drafts, and ``record`` updates the statistics;
+   ``observe_step`` gives the policy the forward time of each decode-only step.
 """
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -23,6 +26,7 @@ from appliance.config import EngineConfig, parse_speculative_config
 from appliance.engine.request import Request
 from appliance.engine.sampler import SampleResult, top_logprobs
 from appliance.engine.spec_decode.ngram import propose_ngram
+from appliance.engine.spec_decode.policy import DraftLengthPolicy
 from appliance.engine.spec_decode.rejection import greedy_accept, rejection_sample
 
 log = logging.getLogger("appliance")
@@ -95,6 +99,7 @@ class SpecDecoder:
         self.num_accepted_tokens = 0
         self.num_accepted_per_pos = [0] * self.k
         self.num_steps_off = 0  # steps with speculation off for the batch size
+        self.policy = DraftLengthPolicy()
         log.info("speculative decoding: %s", self.config)
 
     def describe(self) -> str:
@@ -102,7 +107,8 @@ class SpecDecoder:
         c = self.config
         how = (f"n-gram lookup {c.prompt_lookup_min}..{c.prompt_lookup_max}" if c.method == "ngram"
                else f"draft model {c.model}")
-        return (f"{how}, k={c.num_speculative_tokens}; off above {c.disable_by_batch_size} running requests, "
+        return (f"{how}, k={c.num_speculative_tokens}{' (fewer where they do not pay)' if c.cost_aware else ''}; "
+                f"off above {c.disable_by_batch_size} running requests, "
                 f"paused per request below acceptance {c.min_acceptance_rate}")
 
     def stats(self) -> dict:
@@ -113,7 +119,9 @@ class SpecDecoder:
                 if self.num_draft_tokens else 0.0,
                 # tokens per speculating step: the accepted drafts and the target's own token
                 "spec_decode_mean_accepted_length": 1 + self.num_accepted_tokens / self.num_drafts
-                if self.num_drafts else 0.0}
+                if self.num_drafts else 0.0,
+                # proposed drafts left out because their expected gain was below their cost
+                "spec_decode_num_trimmed_tokens": self.policy.num_trimmed}
 
     # -- proposing ----------------------------------------------------------------------------
     def before_schedule(self, running: list[Request]) -> None:
@@ -123,6 +131,7 @@ class SpecDecoder:
             self.num_steps_off += 1  # a large batch: decode is compute-bound, drafts would cost time
             return
         cfg = self.config
+        proposed = []
         for r in running:
             if not r.spec_allowed or r.num_tokens - r.num_computed_tokens != 1:
                 continue  # prefilling, or never speculating
@@ -138,13 +147,33 @@ class SpecDecoder:
                 r.spec_token_ids = propose_ngram(r.all_token_ids, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
             else:
                 r.spec_token_ids = [-1] * k  # the draft model fills them in after scheduling
+            if r.spec_token_ids:
+                proposed.append(r)
+        if not cfg.cost_aware or not proposed or any(r.num_tokens - r.num_computed_tokens != 1 for r in running):
+            return  # nothing to trim; or a prompt in the step, whose size then is not a decode step's
+        keep = self.policy.choose(len(running), [self.policy.alpha(r) for r in proposed],
+                                  [len(r.spec_token_ids) for r in proposed], self.draft is not None)
+        if keep is None:
+            return  # no decode step timed yet: verify every proposal
+        for r, n in zip(proposed, keep):
+            r.spec_token_ids = r.spec_token_ids[:n]
+            if n == 0:
+                self.policy.skipped(r)
 
     def after_schedule(self, scheduled, sampler) -> None:
         if self.draft is None:
             return
         reqs = [r for r, _ in scheduled if r.spec_token_ids]
         if reqs:
+            t = time.perf_counter()
             self.draft.propose(reqs, sampler)
+            self.policy.observe_draft((time.perf_counter() - t) / max(len(r.spec_token_ids) for r in reqs))
+
+    def observe_step(self, scheduled, seconds: float) -> None:
+        """The target's forward time for a step (before ``update_computed``): the policy learns
+        from decode-only steps, a request's last token plus its drafts each."""
+        if all(n == 1 + len(r.spec_token_ids) and r.num_tokens - r.num_computed_tokens == 1 for r, n in scheduled):
+            self.policy.observe_step(sum(n for _, n in scheduled), seconds)
 
     # -- verifying ----------------------------------------------------------------------------
     def verify(self, logits: torch.Tensor, reqs: list[Request], sampler) -> list[list[SampleResult]]:
@@ -206,6 +235,7 @@ class SpecDecoder:
         elif 2 * num_accepted >= num_drafts:
             req.spec_pause_len = 0  # a good step: the next pause starts short again
         req.spec_k = next_draft_length(req.spec_k or self.k, self.k, num_drafts, num_accepted)
+        self.policy.record(req, num_drafts, num_accepted)
         # the draft model's cache holds valid KV only up to the verified tokens
         req.spec_num_computed = min(req.spec_num_computed, req.num_computed_tokens)
 

@@ -1,0 +1,112 @@
+"""How many drafts to verify this step: the expected tokens per second of the step, from the step
+times measured at each size and each request's acceptance rate.
+
+A verify chunk is nearly free only while the GEMMs still stream their weights once for all its
+rows: the native float32 panel block on x86 AVX2 runs rows three at a time, so there a 4-token step
+costs clearly more than a 3-token one (bench/results/spec_0.5b.txt, "step" columns). A request
+whose drafts are rarely accepted (open-ended text under n-gram lookup) then gains from one draft and
+loses from three; one whose drafts are copied text gains from every draft. The cost is whatever the
+host and the model make it, so it is measured: the decode-only steps' forward times by the number of
+tokens in the step (the least of the recent ones per size: a co-tenant only ever adds time). The
+draft model's forwards (one per draft position, for all its requests at once) add their own
+measured time.
+
+A request's acceptance is modelled as independent per position with probability ``alpha`` (a
+geometric run): its j-th draft is emitted with probability ``alpha ** j``. ``alpha`` is estimated
+from its recent verified steps (accepted drafts against rejections, decayed per step) and an even
+prior worth one observation, so that a new request tries its drafts and one that was rejected every
+time settles near 0.1, not at 0. For a fixed number of drafts in the step, the best choice is the
+drafts with the highest ``alpha ** j`` (for each request a prefix of its proposal, as those values
+fall with j); ``choose`` takes the number whose expected tokens per second is highest, zero drafts
+included. A size never measured counts as costing what the largest measured size below it does, so
+it is tried once and then measured. A request given no drafts learns nothing, so its counts fade a
+little on each such step (``SKIP_DECAY``) until the prior makes it try one again: a retry every ~8
+steps where one draft costs ~10% of a step. No torch here.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+# Step times kept per size (the least counts): recent enough to follow a host that got slower.
+WINDOW = 8
+# Acceptance counts decay by this much per verified step (a run of copied text ends, another starts),
+# and by SKIP_DECAY per step the policy gave the request no drafts.
+DECAY = 0.8
+SKIP_DECAY = 0.97
+# The prior: acceptance PRIOR_ALPHA, worth PRIOR_WEIGHT verified steps.
+PRIOR_ALPHA = 0.5
+PRIOR_WEIGHT = 1.0
+
+
+class DraftLengthPolicy:
+    def __init__(self):
+        self._step_s: dict[int, deque] = {}
+        self._draft_s: deque = deque(maxlen=WINDOW)
+        self.num_trimmed = 0  # drafts proposed but not verified because they would not pay
+
+    # -- measuring ----------------------------------------------------------------------------
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A decode-only step's forward time (each request's last token and its drafts)."""
+        if num_tokens > 0 and seconds > 0:
+            self._step_s.setdefault(num_tokens, deque(maxlen=WINDOW)).append(seconds)
+
+    def observe_draft(self, seconds_per_forward: float) -> None:
+        """The draft model's time for one forward (one draft position of every drafting request)."""
+        if seconds_per_forward > 0:
+            self._draft_s.append(seconds_per_forward)
+
+    def step_time(self, num_tokens: int) -> float | None:
+        """The step's forward time at ``num_tokens``, or at the largest measured size below it
+        (optimistic: an untried size gets tried); None before any size up to it was measured."""
+        for n in range(num_tokens, 0, -1):
+            s = self._step_s.get(n)
+            if s:
+                return min(s)
+        return None
+
+    def draft_time(self) -> float:
+        return min(self._draft_s) if self._draft_s else 0.0
+
+    # -- acceptance ---------------------------------------------------------------------------
+    @staticmethod
+    def alpha(req) -> float:
+        """The request's estimated probability that a draft is accepted, given the one before it was."""
+        a, r = req.spec_run_counts
+        return (a + PRIOR_WEIGHT * PRIOR_ALPHA) / (a + r + PRIOR_WEIGHT)
+
+    @staticmethod
+    def record(req, num_drafts: int, num_accepted: int) -> None:
+        """A verified step: ``num_accepted`` drafts accepted, then a rejection unless all were."""
+        a, r = req.spec_run_counts
+        req.spec_run_counts = (DECAY * a + num_accepted, DECAY * r + (1.0 if num_accepted < num_drafts else 0.0))
+
+    @staticmethod
+    def skipped(req) -> None:
+        a, r = req.spec_run_counts
+        req.spec_run_counts = (SKIP_DECAY * a, SKIP_DECAY * r)
+
+    # -- choosing -----------------------------------------------------------------------------
+    def choose(self, base: int, alphas: list[float], caps: list[int], draft_model: bool) -> list[int] | None:
+        """Drafts per request (each at most its ``caps``) for a step of ``base`` decode tokens, or
+        None when the step time at ``base`` is not known yet (then every proposal is verified)."""
+        t0 = self.step_time(base)
+        if t0 is None:
+            return None
+        d = self.draft_time() if draft_model else 0.0
+        gains = sorted(((a ** j, i) for i, (a, c) in enumerate(zip(alphas, caps)) for j in range(1, c + 1)),
+                       key=lambda g: -g[0])
+        counts = [0] * len(caps)
+        best_m, best_rate = 0, base / t0
+        tokens, kmax = float(base), 0
+        for m, (g, i) in enumerate(gains, start=1):
+            tokens += g
+            counts[i] += 1
+            kmax = max(kmax, counts[i])
+            t = self.step_time(base + m) + kmax * d
+            if tokens / t > best_rate:
+                best_m, best_rate = m, tokens / t
+        out = [0] * len(caps)
+        for _, i in gains[:best_m]:
+            out[i] += 1
+        self.num_trimmed += sum(caps) - best_m
+        return out

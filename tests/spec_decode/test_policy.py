@@ -1,0 +1,158 @@
+"""The draft-length policy (appliance/engine/spec_decode/policy.py): the drafts it keeps give the
+highest expected tokens per second of all allocations (checked against brute force over every
+allocation under the geometric acceptance model), untried sizes are tried, noise only ever raises a
+measured time, a request that is always rejected is retried now and then, and in the engine the
+trimming leaves greedy output unchanged."""
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+
+from appliance import SamplingParams
+from appliance.config import EngineConfig
+from appliance.engine.llm_engine import LLMEngine
+from appliance.engine.spec_decode.policy import PRIOR_ALPHA, DraftLengthPolicy
+
+# a decode step's time by tokens in it, shaped like a GEMM that runs rows three at a time: flat up to
+# 3 rows, a step at 4, flat to 6, another step at 7
+PANEL_TIMES = {1: 1.00, 2: 1.00, 3: 1.02, 4: 1.20, 5: 1.21, 6: 1.23, 7: 1.42, 8: 1.43, 9: 1.45, 10: 1.62,
+               11: 1.63, 12: 1.65, 13: 1.85, 14: 1.86, 15: 1.88}
+
+
+def _policy(times=PANEL_TIMES, draft_s=None):
+    p = DraftLengthPolicy()
+    for n, t in times.items():
+        p.observe_step(n, t)
+    if draft_s is not None:
+        p.observe_draft(draft_s)
+    return p
+
+
+def _rate(policy, base, alphas, counts, draft_model):
+    tokens = base + sum(sum(a ** j for j in range(1, c + 1)) for a, c in zip(alphas, counts))
+    t = policy.step_time(base + sum(counts)) + max(counts, default=0) * (policy.draft_time() if draft_model else 0)
+    return tokens / t
+
+
+@pytest.mark.parametrize("base, alphas, caps, draft_s", [
+    (1, [0.09], [3], None),           # open-ended text under n-gram lookup: one draft pays, three do not
+    (1, [0.85], [3], None),           # copied text: every draft pays
+    (1, [0.85], [5], None),           # past the step at 4 tokens: 6 is worth it
+    (2, [0.9, 0.1], [4, 4], None),    # two requests: the good one gets the drafts
+    (3, [0.6, 0.3, 0.05], [3, 3, 3], None),
+    (1, [0.7], [4], 0.30),            # a draft model whose forward costs 30% of the target's step
+    (2, [0.95, 0.5], [4, 4], 0.10),
+    (1, [0.02], [4], None),
+])
+def test_choice_is_the_best_allocation(base, alphas, caps, draft_s):
+    policy = _policy(draft_s=draft_s)
+    draft_model = draft_s is not None
+    got = policy.choose(base, alphas, caps, draft_model)
+    assert all(0 <= g <= c for g, c in zip(got, caps))
+    best = max(_rate(policy, base, alphas, counts, draft_model)
+               for counts in itertools.product(*(range(c + 1) for c in caps)))
+    assert _rate(policy, base, alphas, got, draft_model) == pytest.approx(best, rel=1e-12)
+
+
+def test_choice_on_the_panel_times():
+    policy = _policy()
+    assert policy.choose(1, [0.09], [3], False) == [1]
+    assert policy.choose(1, [0.85], [3], False) == [3]
+    assert policy.choose(1, [0.02], [3], False) == [1]  # a 2-token step costs nothing more here
+    flat_then_dear = _policy({1: 1.0, 2: 1.15, 3: 1.3, 4: 1.45})
+    assert flat_then_dear.choose(1, [0.1], [3], False) == [0]  # one draft costs 15% for 10%
+    assert flat_then_dear.num_trimmed == 3
+
+
+def test_untried_sizes_are_tried_and_no_decode_time_means_no_trimming():
+    assert DraftLengthPolicy().choose(1, [0.01], [3], False) is None
+    only_one = _policy({1: 1.0})
+    assert only_one.choose(1, [0.01], [3], False) == [3]  # 2..4 never measured: as cheap as 1
+    only_one.observe_step(4, 2.0)
+    assert only_one.choose(1, [0.3], [3], False) == [2]  # 2 and 3 still count as 1's time
+
+
+def test_least_recent_time_counts():
+    policy = _policy({1: 1.0, 2: 1.0})
+    policy.observe_step(2, 5.0)  # a co-tenant's spike
+    assert policy.step_time(2) == 1.0
+    assert policy.step_time(3) == 1.0  # not measured: the size below
+
+
+def _req():
+    return SimpleNamespace(spec_run_counts=(0.0, 0.0))
+
+
+def test_acceptance_estimate():
+    req = _req()
+    assert DraftLengthPolicy.alpha(req) == PRIOR_ALPHA
+    for _ in range(50):
+        DraftLengthPolicy.record(req, 3, 3)
+    assert DraftLengthPolicy.alpha(req) > 0.9
+    for _ in range(50):
+        DraftLengthPolicy.record(req, 3, 0)
+    assert DraftLengthPolicy.alpha(req) < 0.1
+    for _ in range(50):
+        DraftLengthPolicy.record(req, 4, 1)  # one accepted, then a rejection: alpha 1/2
+    assert DraftLengthPolicy.alpha(req) == pytest.approx(0.5, abs=0.01)
+
+
+def test_a_request_always_rejected_is_retried_now_and_then():
+    """Drafts that cost 15% of a step and are never accepted: trimmed once the estimate falls, and
+    retried (one draft) every few steps as the skipped steps fade the evidence."""
+    policy = _policy({1: 1.0, 2: 1.15, 3: 1.3, 4: 1.45})
+    req = _req()
+    verified = []
+    for step in range(200):
+        (n,) = policy.choose(1, [policy.alpha(req)], [3], False)
+        if n == 0:
+            policy.skipped(req)
+        else:
+            policy.record(req, n, 0)
+            verified.append((step, n))
+    # the prior 0.5: two drafts (1.75 tokens for 1.3x the time) beat one (1.5 for 1.15x) and three
+    assert verified[0] == (0, 2)
+    late = [(s, n) for s, n in verified if s >= 50]
+    assert 3 <= len(late) <= 30, verified  # retried, but far from every step
+    assert all(n == 1 for _, n in late)
+
+
+def _engine(llama_dir, **kw):
+    return LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=256, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}, **kw))
+
+
+def _generate(engine, ids, max_tokens=24):
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(ids):
+        engine.add_request(str(i), p, sp)
+    out = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o.outputs[0].token_ids
+    return [out[str(i)] for i in range(len(ids))]
+
+
+def test_engine_trims_drafts_that_do_not_pay_and_output_is_unchanged(llama_dir):
+    plain = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=256))
+    text = "The quick brown fox jumps over the lazy dog. " * 4
+    ids = [plain.tokenize(text + "The quick"), plain.tokenize(text + "The lazy")]
+    want = _generate(plain, ids)
+
+    # every extra token costs as much as the step: no draft can pay
+    dear = _engine(llama_dir)
+    dear.spec.policy.step_time = lambda n: float(n)
+    assert _generate(dear, ids) == want
+    st = dear.spec.stats()
+    assert st["spec_decode_num_draft_tokens"] == 0 and st["spec_decode_num_trimmed_tokens"] > 0
+
+    # measured times: every decode-only step's size is recorded (1 + drafts per request)
+    free = _engine(llama_dir)
+    assert _generate(free, ids) == want
+    st = free.spec.stats()
+    assert st["spec_decode_num_draft_tokens"] > 0 and st["spec_decode_num_accepted_tokens"] > 0
+    sizes = set(free.spec.policy._step_s)
+    assert all(1 <= n <= 2 * 4 for n in sizes) and max(sizes) > 2, sizes  # two requests, up to 3 drafts each
