@@ -204,6 +204,9 @@ def spec(
     concurrency: Annotated[str, Opt(help="Comma-separated concurrency levels.")] = "1,16",
     output_len: Annotated[int, Opt(help="Tokens per request (greedy, ignore_eos).")] = 128,
     num_speculative_tokens: Annotated[int, Opt(help="Drafts per step (k).")] = 3,
+    spec_arg: Annotated[Optional[list[str]], Opt("--spec-arg", help="A --speculative-config key as NAME=JSON for every "
+                                                  "speculating setting, e.g. min_acceptance_rate=0 (repeatable).")]
+    = None,
     dtype: DtypeOpt = None, num_threads: ThrOpt = None, engine_arg: EngArgOpt = None, json_out: JsonOpt = None,
 ):
     """Offline: decode tok/s with and without n-gram and draft-model speculation (batch 1 and 16),
@@ -216,6 +219,15 @@ def spec(
 
     kw = _engine_kwargs(dtype, None, None, None, None, None, num_threads, engine_arg)
     names = [x.strip() for x in settings.split(",") if x.strip()]
+    spec_extra = {}
+    for pair in spec_arg or []:
+        key, sep, value = pair.partition("=")
+        try:
+            spec_extra[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            sep = ""
+        if not sep:
+            _fail(f"--spec-arg {pair!r}: expected NAME=JSON, e.g. min_acceptance_rate=0")
     if target is not None:
         if target != "expanded-0.5b" or model is not None:
             _fail(f"--target must be expanded-0.5b, without --model; got {target!r}")
@@ -234,7 +246,7 @@ def spec(
         rows = run_bench(model, None if draft == "truncate" else draft, names,
                          [w.strip() for w in workloads.split(",") if w.strip()], levels, output_len,
                          num_speculative_tokens, kw, log=lambda m: typer.echo(m, err=True),
-                         draft_quantization=draft_quantization, prompts_out=prompts)
+                         draft_quantization=draft_quantization, prompts_out=prompts, spec_extra=spec_extra)
         if llamacpp:
             import torch
 
@@ -251,7 +263,7 @@ def spec(
         typer.echo(line)
     if json_out is not None:
         rec = new_record("spec", dict(model=model, target=target, draft=draft, draft_quantization=draft_quantization,
-                                      output_len=output_len,
+                                      output_len=output_len, spec_args=spec_extra,
                                       num_speculative_tokens=num_speculative_tokens, engine=kw), {"rows": rows})
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(rec, indent=2) + "\n")

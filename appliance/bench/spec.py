@@ -117,10 +117,12 @@ def spec_counters(llm) -> dict:
 
 def run_bench(model: str | None, draft: str | None, settings: list[str], workloads: list[str],
               concurrency: list[int], max_tokens: int, k: int, engine_kwargs: dict, log=print,
-              draft_quantization: str | None = None, prompts_out: dict | None = None) -> list[dict]:
+              draft_quantization: str | None = None, prompts_out: dict | None = None,
+              spec_extra: dict | None = None) -> list[dict]:
     """One row per (setting, workload, concurrency). ``settings``: none | ngram | draft, and
     ngram-all | draft-all: every proposed draft verified (``cost_aware`` false), against the default
-    that verifies only the drafts that pay for their share of the step."""
+    that verifies only the drafts that pay for their share of the step. ``spec_extra``: further
+    speculative_config keys for every speculating setting."""
     from appliance import LLM
 
     rows = []
@@ -139,6 +141,8 @@ def run_bench(model: str | None, draft: str | None, settings: list[str], workloa
                 kw["speculative_config"]["quantization"] = draft_quantization
         elif setting != "none":
             raise ValueError(f"setting must be none, ngram, draft, ngram-all or draft-all; got {setting!r}")
+        if setting != "none":
+            kw["speculative_config"].update(spec_extra or {})  # e.g. min_acceptance_rate (--spec-arg)
         if setting.endswith("-all"):
             kw["speculative_config"]["cost_aware"] = False
         llm = LLM(model, **kw)
