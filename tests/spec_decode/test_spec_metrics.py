@@ -27,6 +27,7 @@ def test_spec_counters_in_metrics(llama_dir):
                  'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 6',
                  'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 2',
                  'appliance:spec_decode_acceptance_rate{model_name="m"} 1',
+                 'appliance:spec_decode_num_trimmed_tokens_total{model_name="m"} 0',  # cost_aware false
                  "# TYPE vllm:spec_decode_num_drafts_total counter"):
         assert line in text.splitlines(), line
     # without speculation: no spec_decode series at all
