@@ -173,24 +173,3 @@ def stack_at_every_step_size(monkeypatch) -> None:
     big = 1 << 30
     monkeypatch.setattr(floating, "NATIVE_F32_MAX_ROWS", big)
     monkeypatch.setenv(floating.NATIVE_F32_MAX_ROWS_ENV, str(big))
-
-
-def scripted_host_load(monkeypatch, shares: list[float]):
-    """The share of the CPUs other processes take during each of select_backends' timing windows:
-    ``shares`` in turn, the last one repeated (in place of runtime.host_load's /proc/stat reading, so
-    that a test's choices do not depend on the real host's load)."""
-    from appliance.runtime import host_load
-
-    left = list(shares)
-
-    class Scripted:
-        def __init__(self, *a, **k):
-            self.share = 0.0
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.share = left.pop(0) if len(left) > 1 else left[0]
-
-    monkeypatch.setattr(host_load, "OthersLoad", Scripted)

@@ -58,14 +58,15 @@ class OthersLoad:
     (host busy ticks / CLK_TCK - own CPU seconds) / (wall seconds x usable CPUs).
 
     ``cpus``: the CPUs this process may use (default: the engine's, ``threads.engine_cpus``);
-    ``read``, ``own`` and ``clock`` are the sources (injected by tests)."""
+    ``read``, ``own`` and ``clock`` are the sources (injected by tests; ``read`` defaults to this
+    module's ``read_proc_stat`` as it is when the window opens)."""
 
-    def __init__(self, cpus=None, read=read_proc_stat, own=own_cpu_seconds, clock=time.monotonic):
+    def __init__(self, cpus=None, read=None, own=own_cpu_seconds, clock=time.monotonic):
         if cpus is None:
             from appliance.runtime.threads import engine_cpus
 
             cpus = engine_cpus()
-        self.cpus, self._read, self._own, self._clock = list(cpus), read, own, clock
+        self.cpus, self._read, self._own, self._clock = list(cpus), read or read_proc_stat, own, clock
         self.share = 0.0
 
     def _sample(self):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_matches_reference, scripted_host_load, skip_unless_backend
+from helpers import assert_matches_reference, skip_unless_backend
 
 from appliance.layers import methods, quant
 from appliance.layers.linear import Linear, select_backends
@@ -158,7 +158,6 @@ def test_select_backends_forces_and_rejects():
 
 def test_auto_measures_quantized_candidates_once_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(tmp_path))
-    scripted_host_load(monkeypatch, [0.0])  # a quiet host: a busy one's narrow choices are re-timed
     calls = []
     real = quant.QuantLinear.measure
 
