@@ -28,7 +28,7 @@ def busy_ticks(stat: str, cpus) -> tuple[int, int] | None:
     all-CPU line when one of them is not listed (a container's numbering); None without CPU lines."""
     lines = {}
     for line in stat.splitlines():
-        name, *vals = line.split()
+        name, *vals = line.split() or [""]
         if name.startswith("cpu"):
             lines[name] = [int(v) for v in vals]
     want = [f"cpu{c}" for c in cpus]

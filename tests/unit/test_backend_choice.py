@@ -344,7 +344,7 @@ def test_margin_is_the_nearest_other_candidates_gap_relative_to_the_choice():
 
 
 def _stat(ticks: dict[str, list[int]]) -> str:
-    return "".join(f"{n} {' '.join(map(str, v))}\n" for n, v in ticks.items()) + "intr 1 2 3\nctxt 99\n"
+    return "".join(f"{n} {' '.join(map(str, v))}\n" for n, v in ticks.items()) + "\nintr 1 2 3\nctxt 99\n"
 
 
 def test_others_load_from_a_synthetic_proc_stat():
