@@ -69,8 +69,10 @@ def prompt_ids(llm, workload: str) -> list[int]:
     return tok.encode(w[0]["content"])
 
 
-def run_requests(llm, prompts: list[list[int]], max_tokens: int) -> dict:
-    """All prompts at once through the engine, stepped by hand; per-request decode rates."""
+def run_requests(llm, prompts: list[list[int]], max_tokens: int, speculate: bool = True) -> dict:
+    """All prompts at once through the engine, stepped by hand; per-request decode rates.
+    ``speculate`` False: the requests decode without drafts in this speculating engine (as
+    structured-output requests do), the baseline on the same loaded weights."""
     from appliance import SamplingParams
 
     eng = llm.engine
@@ -92,6 +94,8 @@ def run_requests(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     try:
         for i, p in enumerate(prompts):
             eng.add_request(f"b{i}", p, sp)
+            if not speculate:
+                eng.scheduler.requests[f"b{i}"].spec_allowed = False
         while eng.has_unfinished_requests():
             for out in eng.step():
                 now = time.perf_counter()
@@ -157,6 +161,14 @@ def run_bench(model: str | None, draft: str | None, settings: list[str], workloa
                 res = run_requests(llm, [ids] * c, max_tokens)
                 after = spec_counters(llm)
                 row = {"setting": setting, "workload": w, "concurrency": c, "prompt_tokens": len(ids), **res}
+                if after and c == 1:
+                    # The same prompt without drafts in this engine, right after: the speedup over it is
+                    # free of what separates two engine loads: the plain decode step of one load differs
+                    # from another's by more than speculation gains on open-ended text
+                    # (bench/results/spec_0.5b.txt).
+                    plain = run_requests(llm, [ids] * c, max_tokens, speculate=False)
+                    row["same_engine_plain_tok_s"] = plain["decode_tok_s"]
+                    row["same_engine_speedup"] = res["decode_tok_s"] / plain["decode_tok_s"]
                 if after:
                     drafts = after["spec_decode_num_drafts"] - before.get("spec_decode_num_drafts", 0)
                     dt = after["spec_decode_num_draft_tokens"] - before.get("spec_decode_num_draft_tokens", 0)
@@ -249,6 +261,8 @@ def format_row(r: dict) -> str:
     if "num_trimmed_tokens" in r:  # drafts verified / proposed (the rest trimmed by the cost policy)
         mal += f"  drafts {r['num_draft_tokens']}/{r['num_draft_tokens'] + r['num_trimmed_tokens']}"
     sp = f"{r['speedup']:.2f}x" if "speedup" in r else ""
+    if "same_engine_speedup" in r:
+        sp += f" (same engine {r['same_engine_speedup']:.2f}x)"
     steps = r.get("step_ms") or {}
     # the target's step time by tokens in the step, relative to a 1-token decode step
     cost = "  step " + " ".join(f"{n}:{t:.1f}ms" + (f"({t / steps[1]:.2f}x)" if n > 1 and 1 in steps else "")
