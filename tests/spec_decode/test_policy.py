@@ -156,3 +156,27 @@ def test_engine_trims_drafts_that_do_not_pay_and_output_is_unchanged(llama_dir):
     assert st["spec_decode_num_draft_tokens"] > 0 and st["spec_decode_num_accepted_tokens"] > 0
     sizes = set(free.spec.policy._step_s)
     assert all(1 <= n <= 2 * 4 for n in sizes) and max(sizes) > 2, sizes  # two requests, up to 3 drafts each
+
+
+def test_engine_with_a_draft_model_measures_its_one_token_forwards(llama_dir):
+    """A draft as large as its target: greedy output unchanged whatever the policy keeps, and the
+    draft's cost is learned from forwards that fed one token per request (not the first forward
+    that catches the draft's cache up with the whole prompt)."""
+    plain = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=256))
+    ids = [plain.tokenize("The quick brown fox jumps over the lazy dog. " * 3)]
+    want = _generate(plain, ids)
+    eng = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=256, speculative_config={
+        "method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3}))
+    seen = []
+    propose = eng.spec.draft.propose
+
+    def spy(reqs, sampler):
+        before = {r.request_id: r.num_tokens - r.spec_num_computed for r in reqs}
+        propose(reqs, sampler)
+        seen.append((max(before.values()), len(eng.spec.draft.forward_seconds), max(len(r.spec_token_ids) for r in reqs)))
+
+    eng.spec.draft.propose = spy
+    assert _generate(eng, ids) == want
+    assert seen and eng.spec.policy.draft_time() > 0
+    for catch_up, timed, k in seen:  # k forwards; the first is timed only if it fed one token
+        assert timed == (k if catch_up == 1 else k - 1), seen

@@ -18,7 +18,6 @@ One step of a speculating request (the engine drives it):
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
@@ -165,9 +164,9 @@ class SpecDecoder:
             return
         reqs = [r for r, _ in scheduled if r.spec_token_ids]
         if reqs:
-            t = time.perf_counter()
             self.draft.propose(reqs, sampler)
-            self.policy.observe_draft((time.perf_counter() - t) / max(len(r.spec_token_ids) for r in reqs))
+            for seconds in self.draft.forward_seconds:
+                self.policy.observe_draft(seconds)
 
     def observe_step(self, scheduled, seconds: float) -> None:
         """The target's forward time for a step (before ``update_computed``): the policy learns

@@ -10,6 +10,7 @@ count (its blocks are gone), so stale draft KV is never read.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -93,6 +94,7 @@ class DraftModelProposer:
             raise ModelLoadError(f"{field}: block_size {self.runner.block_size} != {target_runner.block_size}")
         # the draft distributions of sampled requests, kept for rejection sampling: request id -> [k, vocab]
         self.draft_probs: dict[str, torch.Tensor] = {}
+        self.forward_seconds: list[float] = []  # the last propose's one-token forwards (the policy's draft cost)
         log.info("speculative decoding: draft model %s (%d layers), %d KV blocks shared by index with the target",
                  path, self.runner.num_layers, self.runner.num_blocks)
 
@@ -104,6 +106,9 @@ class DraftModelProposer:
         drafts = {r.request_id: [] for r in reqs}
         probs = {r.request_id: [] for r in reqs}
         num_steps = max(len(r.spec_token_ids) for r in reqs)
+        # the seconds of each forward that fed one token per request (the cost of a draft position;
+        # a first forward that also catches the draft's cache up is not one)
+        self.forward_seconds = []
         for step in range(num_steps):
             active = [r for r in reqs if len(drafts[r.request_id]) < len(r.spec_token_ids)]
             seqs = []
@@ -113,7 +118,10 @@ class DraftModelProposer:
                 # the previous draft
                 start = r.spec_num_computed if step == 0 else len(toks) - 1
                 seqs.append((_DraftSeq(toks, start, r.block_ids), len(toks) - start))
+            t = time.perf_counter()
             logits, _ = self.runner.execute(SchedulerOutput(seqs, sum(n for _, n in seqs)))
+            if all(n == 1 for _, n in seqs):
+                self.forward_seconds.append(time.perf_counter() - t)
             greedy = [i for i, r in enumerate(active) if r.sampling_params.greedy]
             sampled = [i for i, r in enumerate(active) if not r.sampling_params.greedy]
             choice = [0] * len(active)
