@@ -286,7 +286,8 @@ def format_row(r: dict) -> str:
         mal += f"  drafts {r['num_draft_tokens']}/{r['num_draft_tokens'] + r['num_trimmed_tokens']}"
     sp = f"{r['speedup']:.2f}x" if "speedup" in r else ""
     if "same_engine_speedup" in r:
-        sp += f" (same engine {r['same_engine_speedup']:.2f}x, step model {r.get('step_model_speedup', 0):.2f}x)"
+        model = f", step model {r['step_model_speedup']:.2f}x" if "step_model_speedup" in r else ""
+        sp += f" (same engine {r['same_engine_speedup']:.2f}x{model})"
     steps = r.get("step_ms") or {}
     # the target's step time by tokens in the step, relative to a 1-token decode step
     cost = "  step " + " ".join(f"{n}:{t:.1f}ms" + (f"({t / steps[1]:.2f}x)" if n > 1 and 1 in steps else "")
