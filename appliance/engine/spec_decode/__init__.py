@@ -4,7 +4,7 @@ One step of a speculating request (the engine drives it):
 1. ``before_schedule``: a running decode gets drafts (n-gram: the tokens; draft model: placeholders,
    as the scheduler needs only their count) unless speculation is off for this step (more running
    requests than ``disable_by_batch_size``) or paused for the request (low acceptance rate); then
-   ``policy.DraftLengthPolicy`` keeps as many of them as pay for their share of the step's time.
+   ``policy.DraftLengthPolicy`` keeps the first and as many more as pay for their share of the step.
 2. The scheduler gives it 1 + k tokens (its last token and the drafts, fewer when the budget or the
    context is short), a small chunk for the chunked-prefill attention; slots for the drafts come
    from the pool, but only known tokens are hashed into the prefix cache.
@@ -156,8 +156,6 @@ class SpecDecoder:
             return  # no decode step timed yet: verify every proposal
         for r, n in zip(proposed, keep):
             r.spec_token_ids = r.spec_token_ids[:n]
-            if n == 0:
-                self.policy.skipped(r)
 
     def after_schedule(self, scheduled, sampler) -> None:
         if self.draft is None:

@@ -14,14 +14,14 @@ measured time.
 A request's acceptance is modelled as independent per position with probability ``alpha`` (a
 geometric run): its j-th draft is emitted with probability ``alpha ** j``. ``alpha`` is estimated
 from its recent verified steps (accepted drafts against rejections, decayed per step) and an even
-prior worth one observation, so that a new request tries its drafts and one that was rejected every
-time settles near 0.1, not at 0. For a fixed number of drafts in the step, the best choice is the
-drafts with the highest ``alpha ** j`` (for each request a prefix of its proposal, as those values
-fall with j); ``choose`` takes the number whose expected tokens per second is highest, zero drafts
+prior worth one observation. Every proposing request keeps its first draft (whether it speculates at
+all is the acceptance pause's call, with its back-off; a verified first draft keeps the estimate
+current: a policy that trimmed to zero would stop learning, and one early rejection then shut a
+draft model off for tens of steps). Of the further drafts, for a fixed number in the step the best
+choice is those with the highest ``alpha ** j`` (for each request a prefix of its proposal, as those
+values fall with j); ``choose`` takes the number whose expected tokens per second is highest, none
 included. A size never measured counts as costing what the largest measured size below it does, so
-it is tried once and then measured. A request given no drafts learns nothing, so its counts fade a
-little on each such step (``SKIP_DECAY``) until the prior makes it try one again: a retry every ~8
-steps where one draft costs ~10% of a step. No torch here.
+it is tried once and then measured. No torch here.
 """
 from __future__ import annotations
 
@@ -29,10 +29,8 @@ from collections import deque
 
 # Step times kept per size (the least counts): recent enough to follow a host that got slower.
 WINDOW = 8
-# Acceptance counts decay by this much per verified step (a run of copied text ends, another starts),
-# and by SKIP_DECAY per step the policy gave the request no drafts.
+# Acceptance counts decay by this much per verified step (a run of copied text ends, another starts).
 DECAY = 0.8
-SKIP_DECAY = 0.97
 # The prior: acceptance PRIOR_ALPHA, worth PRIOR_WEIGHT verified steps.
 PRIOR_ALPHA = 0.5
 PRIOR_WEIGHT = 1.0
@@ -80,33 +78,32 @@ class DraftLengthPolicy:
         a, r = req.spec_run_counts
         req.spec_run_counts = (DECAY * a + num_accepted, DECAY * r + (1.0 if num_accepted < num_drafts else 0.0))
 
-    @staticmethod
-    def skipped(req) -> None:
-        a, r = req.spec_run_counts
-        req.spec_run_counts = (SKIP_DECAY * a, SKIP_DECAY * r)
-
     # -- choosing -----------------------------------------------------------------------------
     def choose(self, base: int, alphas: list[float], caps: list[int], draft_model: bool) -> list[int] | None:
-        """Drafts per request (each at most its ``caps``) for a step of ``base`` decode tokens, or
-        None when the step time at ``base`` is not known yet (then every proposal is verified)."""
-        t0 = self.step_time(base)
-        if t0 is None:
+        """Drafts per request (each from 1 to its ``caps``) for a step of ``base`` decode tokens, or
+        None when the step time at ``base`` is not known yet (then every proposal is verified).
+        Every proposing request keeps its first draft: whether a request speculates at all is the
+        acceptance pause's call (``SpecDecoder.record``, with its back-off), and a verified first
+        draft is what keeps its acceptance estimate current; the policy prices the drafts after it."""
+        t0 = self.step_time(base + len(caps))
+        if self.step_time(base) is None or t0 is None:
             return None
         d = self.draft_time() if draft_model else 0.0
-        gains = sorted(((a ** j, i) for i, (a, c) in enumerate(zip(alphas, caps)) for j in range(1, c + 1)),
+        gains = sorted(((a ** j, i) for i, (a, c) in enumerate(zip(alphas, caps)) for j in range(2, c + 1)),
                        key=lambda g: -g[0])
-        counts = [0] * len(caps)
-        best_m, best_rate = 0, base / t0
-        tokens, kmax = float(base), 0
+        counts = [1] * len(caps)
+        first = float(base) + sum(alphas)
+        best_m, best_rate = 0, first / (t0 + d)
+        tokens, kmax = first, 1
         for m, (g, i) in enumerate(gains, start=1):
             tokens += g
             counts[i] += 1
             kmax = max(kmax, counts[i])
-            t = self.step_time(base + m) + kmax * d
+            t = self.step_time(base + len(caps) + m) + kmax * d
             if tokens / t > best_rate:
                 best_m, best_rate = m, tokens / t
-        out = [0] * len(caps)
+        out = [1] * len(caps)
         for _, i in gains[:best_m]:
             out[i] += 1
-        self.num_trimmed += sum(caps) - best_m
+        self.num_trimmed += sum(caps) - sum(out)
         return out
