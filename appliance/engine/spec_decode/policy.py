@@ -31,6 +31,8 @@ from collections import deque
 WINDOW = 8
 # Acceptance counts decay by this much per verified step (a run of copied text ends, another starts).
 DECAY = 0.8
+# Drafts are kept up to the longest choice whose expected rate is within this fraction of the best.
+KEEP_MARGIN = 0.05
 # The prior: acceptance PRIOR_ALPHA, worth PRIOR_WEIGHT verified steps.
 PRIOR_ALPHA = 0.5
 PRIOR_WEIGHT = 1.0
@@ -91,17 +93,19 @@ class DraftLengthPolicy:
         d = self.draft_time() if draft_model else 0.0
         gains = sorted(((a ** j, i) for i, (a, c) in enumerate(zip(alphas, caps)) for j in range(2, c + 1)),
                        key=lambda g: -g[0])
-        counts = [1] * len(caps)
+        # expected tokens per second with the first m further drafts (m = 0: the first drafts only)
         first = float(base) + sum(alphas)
-        best_m, best_rate = 0, first / (t0 + d)
-        tokens, kmax = first, 1
+        rates = [first / (t0 + d)]
+        tokens, kmax, counts = first, 1, [1] * len(caps)
         for m, (g, i) in enumerate(gains, start=1):
             tokens += g
             counts[i] += 1
             kmax = max(kmax, counts[i])
-            t = self.step_time(base + len(caps) + m) + kmax * d
-            if tokens / t > best_rate:
-                best_m, best_rate = m, tokens / t
+            rates.append(tokens / (self.step_time(base + len(caps) + m) + kmax * d))
+        # the most drafts whose rate is within KEEP_MARGIN of the best: the times and the acceptance
+        # model are estimates, and near a tie the measured speedups favoured the longer draft
+        best = max(rates)
+        best_m = max(m for m, r in enumerate(rates) if r >= (1 - KEEP_MARGIN) * best)
         out = [1] * len(caps)
         for _, i in gains[:best_m]:
             out[i] += 1
