@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from appliance.ops import native, reference  # noqa: E402
 
 
-def timeit(fn, min_time: float, min_iters: int = 5) -> float:
+def call_times(fn, min_time: float, min_iters: int = 5) -> list[float]:
+    """Call times of ``fn`` repeated on the same (hot) data, after two untimed calls."""
     for _ in range(2):
         fn()
     times = []
@@ -37,7 +38,11 @@ def timeit(fn, min_time: float, min_iters: int = 5) -> float:
         times.append(time.perf_counter() - t0)
         if len(times) >= 1000:
             break
-    return statistics.median(times)
+    return times
+
+
+def timeit(fn, min_time: float, min_iters: int = 5) -> float:
+    return statistics.median(call_times(fn, min_time, min_iters))
 
 
 def copy_bandwidth(nbytes: int = 512 << 20) -> float:

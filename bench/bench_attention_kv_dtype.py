@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from appliance.ops import native, reference  # noqa: E402
-from bench_attention import timeit  # noqa: E402
+from bench_attention import call_times as time_hot, timeit  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8,
           "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -137,20 +137,6 @@ def time_per_token(layers, query, seq_lens, qsl, scale, tokens, scratch=None, sl
             total += time.perf_counter() - t0
         if t:
             times.append(total)
-    return times
-
-
-def time_hot(fn, min_time, min_iters=5):
-    """Call times of ``fn`` repeated on the same (hot) data, after two untimed calls."""
-    fn()
-    fn()
-    times, start = [], time.perf_counter()
-    while len(times) < min_iters or time.perf_counter() - start < min_time:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        if len(times) >= 1000:
-            break
     return times
 
 
