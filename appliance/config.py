@@ -223,9 +223,9 @@ class SpeculativeConfig:
     ``draft_model``: ``model`` (same tokenizer and vocabulary) proposes them autoregressively.
     Speculation is off for a step with more than ``disable_by_batch_size`` running requests, and
     paused for a request whose running acceptance rate falls below ``min_acceptance_rate``. With
-    ``cost_aware``, a step verifies only the drafts whose expected gain (the request's acceptance
-    rate) exceeds their share of the step's measured time (engine/spec_decode/policy.py); false:
-    every proposed draft. Both are appliance keys: vLLM has no such switches."""
+    ``cost_aware``, a step verifies each proposing request's first draft and only those further
+    drafts whose expected gain (the request's acceptance rate) pays for their share of the step's
+    measured time (engine/spec_decode/policy.py); false: every proposed draft. Both are appliance keys: vLLM has no such switches."""
 
     method: str
     num_speculative_tokens: int

@@ -19,8 +19,8 @@ all is the acceptance pause's call, with its back-off; a verified first draft ke
 current: a policy that trimmed to zero would stop learning, and one early rejection then shut a
 draft model off for tens of steps). Of the further drafts, for a fixed number in the step the best
 choice is those with the highest ``alpha ** j`` (for each request a prefix of its proposal, as those
-values fall with j); ``choose`` takes the number whose expected tokens per second is highest, none
-included. A size never measured counts as costing what the largest measured size below it does, so
+values fall with j); ``choose`` takes the most further drafts whose expected tokens per second is
+within KEEP_MARGIN of the highest (none included). A size never measured counts as costing what the largest measured size below it does, so
 it is tried once and then measured. No torch here.
 """
 from __future__ import annotations
