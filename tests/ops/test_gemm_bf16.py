@@ -24,7 +24,7 @@ from appliance.layers.linear import Linear, float_candidates
 from appliance.ops import native
 from appliance.runtime.cpu_features import detect
 
-ROWS = (1, 3, 8, 17, 64)  # decode, partial / whole / several 8-row blocks
+ROWS = (1, 3, 4, 7, 8, 17, 64)  # decode, partial (4 = 2 + 2, 7 = 3 + 2 + 2 on AVX2) / whole / several 8-row blocks
 KS = (64, 576, 1000, 1001)  # a small layer, the default model's hidden size, off the unrolls, odd (a padded pair)
 NS = (100, 40)  # a partial last panel (100 = 3 x 32 + 4; 40 = 32 + 8)
 

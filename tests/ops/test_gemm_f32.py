@@ -16,9 +16,9 @@ from appliance.ops import native
 # (N, K): the default model's decode/prefill shapes (q/k/v fused, o, gate/up, down), then tails: N not a
 # multiple of the 32-column panel (33, 1, 100), K not a multiple of the 4-step unroll (17, 130), one panel.
 SHAPES = [(960, 576), (576, 1536), (3072, 576), (33, 17), (1, 64), (100, 130), (32, 8)]
-# rows: single decode, partial row blocks (3, 5: one and two groups of the AVX2 block's three rows), more than one
-# block (9, 14), a full pass (128), two passes
-ROWS = (1, 3, 5, 9, 14, 64, 128, 200)
+# rows: single decode, partial row blocks (the AVX2 block's passes: 3; 4 = 2 + 2; 5 = 3 + 2; 7 = 3 + 2 + 2; the NEON
+# block's pairs and a single row), more than one block (9, 12 = 8 + 2 + 2, 14), a full pass (128), two passes
+ROWS = (1, 3, 4, 5, 7, 9, 12, 14, 64, 128, 200)
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):

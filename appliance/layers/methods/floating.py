@@ -162,7 +162,9 @@ class NativeLinear(FloatMethod):
 
     name = "native"
     fused_kind = 0
-    revision = 2  # 1: rows above NATIVE_F32_MAX_ROWS through torch's batched GEMM; 2: AVX2 register-blocked block
+    # 1: rows above NATIVE_F32_MAX_ROWS through torch's batched GEMM; 2: AVX2 register-blocked block;
+    # 3: a row block's passes share the next panel's prefetch, 4 rows as 2 + 2 on AVX2
+    revision = 3
 
     def host_problem(self, dtype=torch.float32, device=torch.device("cpu")):
         if native_gemm_available(dtype, device):
@@ -225,6 +227,7 @@ class NativeBF16Linear(FloatMethod):
 
     name = "native_bf16"
     fused_kind = 7  # kLinBF16
+    revision = 1  # 1: a row block's passes share the next panel's prefetch (AVX2, NEON)
 
     def host_problem(self, dtype=torch.float32, device=torch.device("cpu")):
         if native_bf16_gemm_available(dtype, device):

@@ -1033,7 +1033,9 @@ struct GemmCase {
 
 std::vector<GemmCase> gemm_grid() {
   std::vector<GemmCase> cases;
-  for (int m : {1, 3, 8, 17, 64})
+  // rows: decode; the blocks' passes (NEON pairs and a single row; AVX2 4 = 2 + 2, 7 = 3 + 2 + 2); whole
+  // and several 8-row blocks
+  for (int m : {1, 3, 4, 7, 8, 17, 64})
     for (int k : {64, 576, 1000, 1001}) cases.push_back({m, 100, k, m % 2 == 1, false});
   cases.push_back({3, 70, 1001, true, true});
   cases.push_back({17, 40, 576, false, true});

@@ -349,21 +349,42 @@ static inline void bgemm_rows(const float* A, int64_t lda, const uint32_t* B, in
     for (int c = 0; c < 4; ++c) _mm256_store_ps(C + r * 32 + 8 * c, acc[r][c]);
 }
 
+// How the AVX2 blocks split MR rows into passes over a panel (12 ymm accumulators at most: 3 rows x
+// 32 columns fp32): threes, then twos, then a last single row, except that a single row left after
+// threes is taken as two groups of two (4 = 2 + 2, 7 = 3 + 2 + 2). A 1-row pass has 4 accumulator
+// chains, too few to cover the FMA latency, so 3 + 1 cost more than 2 + 2 with the same loads.
+template <int MR>
+struct RowGroups {
+  static constexpr int threes = MR % 3 == 1 && MR > 1 ? MR / 3 - 1 : MR / 3;
+  static constexpr int twos = (MR - 3 * threes) / 2;
+  static constexpr int passes = threes + twos + (MR - 3 * threes - 2 * twos);
+};
+
 #define AK_BGEMM_BLOCK 1
 template <int MR>
 static void bgemm_block(const float* A, int64_t lda, const uint32_t* B, int64_t K2, float* C,
                         const char* pf, int pf_per4) {
-  int r = 0;
-  for (; r + 3 <= MR; r += 3, pf = nullptr) bgemm_rows<3>(A + r * lda, lda, B, K2, C + r * 32, pf, pf_per4);
-  if (MR - r == 2) bgemm_rows<2>(A + r * lda, lda, B, K2, C + r * 32, pf, pf_per4);
-  if (MR - r == 1) bgemm_rows<1>(A + r * lda, lda, B, K2, C + r * 32, pf, pf_per4);
+  constexpr int G3 = RowGroups<MR>::threes, G2 = RowGroups<MR>::twos, G = RowGroups<MR>::passes;
+  int r = 0, g = 0, n = 0;
+  for (int i = 0; i < G3; ++i, r += 3, ++g) {
+    const char* p = common::prefetch_share(pf, pf_per4, K2 / 2, G, g, n);
+    bgemm_rows<3>(A + r * lda, lda, B, K2, C + r * 32, p, n);
+  }
+  for (int i = 0; i < G2; ++i, r += 2, ++g) {
+    const char* p = common::prefetch_share(pf, pf_per4, K2 / 2, G, g, n);
+    bgemm_rows<2>(A + r * lda, lda, B, K2, C + r * 32, p, n);
+  }
+  if (r < MR) {
+    const char* p = common::prefetch_share(pf, pf_per4, K2 / 2, G, g, n);
+    bgemm_rows<1>(A + r * lda, lda, B, K2, C + r * 32, p, n);
+  }
 }
 
 // fp32 GEMM block (sgemm_block in kernels_impl.h). The portable block keeps MR x 32 accumulators,
 // 4 * MR ymm, which above 3 rows no longer fit the 16 registers: the compiler spills them and every
 // FMA becomes a load, an FMA and a store (the default model's lm_head at 16 rows ran 1.4x slower
-// than oneDNN). Here rows go three at a time, 12 ymm accumulators, the panel re-read from L1/L2 for
-// each group of three; each accumulator is one FMA chain over k in order, as in the portable block,
+// than oneDNN). Here rows go in groups of three or two (RowGroups), 12 ymm accumulators at most, the
+// panel re-read from L1/L2 for each group; each accumulator is one FMA chain over k in order, as in the portable block,
 // so the results are the same bits.
 template <int R>
 static inline void sgemm_rows(const float* A, int64_t lda, const float* B, int K, float* C, int64_t ldc,
@@ -423,11 +444,20 @@ static inline void sgemm_rows(const float* A, int64_t lda, const float* B, int K
 template <int MR>
 static void sgemm_block(const float* A, int64_t lda, const float* B, int K, float* C, int64_t ldc,
                         const float* bias, int nvalid, const char* pf, int pf_per4, bool stream) {
-  int r = 0;  // the next panel's prefetch slice rides on the first group of rows
-  for (; r + 3 <= MR; r += 3, pf = nullptr)
-    sgemm_rows<3>(A + r * lda, lda, B, K, C + r * ldc, ldc, bias, nvalid, pf, pf_per4, stream);
-  if (MR - r == 2) sgemm_rows<2>(A + r * lda, lda, B, K, C + r * ldc, ldc, bias, nvalid, pf, pf_per4, stream);
-  if (MR - r == 1) sgemm_rows<1>(A + r * lda, lda, B, K, C + r * ldc, ldc, bias, nvalid, pf, pf_per4, stream);
+  constexpr int G3 = RowGroups<MR>::threes, G2 = RowGroups<MR>::twos, G = RowGroups<MR>::passes;
+  int r = 0, g = 0, n = 0;
+  for (int i = 0; i < G3; ++i, r += 3, ++g) {
+    const char* p = common::prefetch_share(pf, pf_per4, K / 4, G, g, n);
+    sgemm_rows<3>(A + r * lda, lda, B, K, C + r * ldc, ldc, bias, nvalid, p, n, stream);
+  }
+  for (int i = 0; i < G2; ++i, r += 2, ++g) {
+    const char* p = common::prefetch_share(pf, pf_per4, K / 4, G, g, n);
+    sgemm_rows<2>(A + r * lda, lda, B, K, C + r * ldc, ldc, bias, nvalid, p, n, stream);
+  }
+  if (r < MR) {
+    const char* p = common::prefetch_share(pf, pf_per4, K / 4, G, g, n);
+    sgemm_rows<1>(A + r * lda, lda, B, K, C + r * ldc, ldc, bias, nvalid, p, n, stream);
+  }
 }
 
 #define AK_VARIANT_NAME "avx2"
