@@ -8,6 +8,7 @@ it into its GEMM).
 from __future__ import annotations
 
 import os
+import platform
 
 import torch
 import torch.nn.functional as F
@@ -106,19 +107,23 @@ class OneDNNLinear(FloatMethod):
 
 
 # Rows of x above which ``native`` applies its panels with torch's batched GEMM (one [K, 32] panel
-# per batch entry) instead of the native panel kernel: that kernel streams each panel from memory
-# while it computes and is the fastest at decode rows (1 to a few: a step, a speculative verify
-# chunk), but has no blocking over rows and loses 3-6x to a cache-blocked GEMM at prefill sizes. Both
-# read the one packed weight, so the layer holds no second copy. The one-call decoder stack
+# per batch entry) instead of the native panel kernel. That kernel streams each panel from memory
+# while it computes and is the fastest at decode rows (a step of a few to tens of requests, a
+# speculative verify chunk); at prefill sizes a cache-blocked GEMM beats it. Both read the one packed
+# weight, so the layer holds no second copy. The one-call decoder stack
 # (``models.llama.cached_fused_plan``) leaves steps of more tokens than this to the per-op path when
-# it holds a native layer. ``APPLIANCE_NATIVE_F32_MAX_ROWS`` moves the limit (read at import, so that
-# tensor-parallel ranks started later see it too; the fused-stack tests raise it to hold the stack to
-# the per-op path at every step size).
+# it holds a native layer. The default is where the kernel still at least ties the batched GEMM on
+# the hosts it was measured on (bench/results/gemm_cold.txt: x86-64, 64 rows; Arm's NEON block, which
+# takes rows in pairs, was not measured there and keeps 16).
+# ``APPLIANCE_NATIVE_F32_MAX_ROWS`` moves the limit (read at import, so that tensor-parallel ranks
+# started later see it too; the fused-stack tests raise it to hold the stack to the per-op path at
+# every step size).
 NATIVE_F32_MAX_ROWS_ENV = "APPLIANCE_NATIVE_F32_MAX_ROWS"
+NATIVE_F32_DEFAULT_MAX_ROWS = 64 if platform.machine().lower() in ("x86_64", "amd64") else 16
 
 
 def _max_rows_from_env() -> int:
-    raw = os.environ.get(NATIVE_F32_MAX_ROWS_ENV, "16")
+    raw = os.environ.get(NATIVE_F32_MAX_ROWS_ENV, str(NATIVE_F32_DEFAULT_MAX_ROWS))
     try:
         value = int(raw)
     except ValueError:
@@ -163,7 +168,8 @@ class NativeLinear(FloatMethod):
     name = "native"
     fused_kind = 0
     # 1: rows above NATIVE_F32_MAX_ROWS through torch's batched GEMM; 2: AVX2 register-blocked block;
-    # 3: a row block's passes share the next panel's prefetch, 4 rows as 2 + 2 on AVX2
+    # 3: a row block's passes share the next panel's prefetch, 4 rows as 2 + 2 on AVX2, the kernel up
+    # to 64 rows on x86-64
     revision = 3
 
     def host_problem(self, dtype=torch.float32, device=torch.device("cpu")):

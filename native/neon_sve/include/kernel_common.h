@@ -258,8 +258,8 @@ inline float exp_scalar(float x) {
 // each panel, one per group of rows. The next panel's prefetch slice that the block is given (pf_per4
 // lines every 4 k steps of one pass, `iters` such steps, from pf) is shared out over those `groups`
 // passes, so that the DRAM keeps streaming while each of them runs: given all to the first pass, the
-// slice was requested within that pass and the memory idled through the others (8 rows cost 1.5x one
-// row on AVX2 instead of ~1.1x: bench/results/gemm_rows.txt). Pass i takes q = ceil(pf_per4 / groups)
+// slice was requested within that pass and the memory idled through the others (the cost of 4 and 8
+// rows against 1: bench/results/gemm_cold.txt). Pass i takes q = ceil(pf_per4 / groups)
 // lines every 4 k steps from line i * q * iters; its count goes to `lines` (0 with a null result).
 inline const char* prefetch_share(const char* pf, int pf_per4, int64_t iters, int groups, int i, int& lines) {
   const int q = (pf_per4 + groups - 1) / groups;
