@@ -5,7 +5,8 @@ native panel GEMM (``gemm_f32``), side by side with the ratio, and the same pack
 batched GEMM (``panels``: what the ``native`` method runs above ``NATIVE_F32_MAX_ROWS`` rows). ``x 1 row``:
 the native pass over its 1-row time (a decode step of that many requests, a speculative verify of
 rows - 1 drafts, against a 1-token step). The backends take turns within each repeat, the least time
-kept. Run it alone:
+median kept (``--repeats``; the least time moved by up to 20% between runs at 1-8 rows here). Run it
+alone:
 
     .venv/bin/python bench/bench_gemm_cold.py --json bench/results/gemm_cold.json
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -28,6 +30,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,2,3,4,5,8,16,32,64,96,128,256,2048")
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=9, help="timed passes per backend and row count (2 above 256 rows)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not native.is_available():
@@ -52,14 +55,15 @@ def main():
                 for layer in range(L):
                     for k, (n, _) in SHAPES.items():
                         run[b](xs[k], packed[b][k][layer], n)
-            res = {b: float("inf") for b in backends}
+            times = {b: [] for b in backends}
             for b in backends:
                 chain(b)
-            for _ in range(5 if m <= 256 else 2):
+            for _ in range(args.repeats if m <= 256 else 2):
                 for b in backends:
                     t = time.perf_counter()
                     chain(b)
-                    res[b] = min(res[b], time.perf_counter() - t)
+                    times[b].append(time.perf_counter() - t)
+            res = {b: statistics.median(v) for b, v in times.items()}
             one = rows_out[0]["native_ms"] / 1e3 if rows_out and rows_out[0]["rows"] == 1 else res["native"]
             rows_out.append({"rows": m, **{f"{b}_ms": 1e3 * t for b, t in res.items()},
                              **{f"{b}_gflops": flop_per_row * m / t / 1e9 for b, t in res.items()},
