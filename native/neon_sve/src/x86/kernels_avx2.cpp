@@ -384,8 +384,8 @@ static void bgemm_block(const float* A, int64_t lda, const uint32_t* B, int64_t 
 // 4 * MR ymm, which above 3 rows no longer fit the 16 registers: the compiler spills them and every
 // FMA becomes a load, an FMA and a store (the default model's lm_head at 16 rows ran 1.4x slower
 // than oneDNN). Here rows go in groups of three or two (RowGroups), 12 ymm accumulators at most, the
-// panel re-read from L1/L2 for each group; each accumulator is one FMA chain over k in order, as in the portable block,
-// so the results are the same bits.
+// panel re-read from L1/L2 for each group; each accumulator is one FMA chain over k in order, as in
+// the portable block, so the results are the same bits.
 template <int R>
 static inline void sgemm_rows(const float* A, int64_t lda, const float* B, int K, float* C, int64_t ldc,
                               const float* bias, int nvalid, const char* pf, int pf_per4, bool stream) {
