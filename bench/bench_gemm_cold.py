@@ -4,9 +4,9 @@ weight streams from DRAM once per pass, at several row counts; oneDNN's prepacke
 native panel GEMM (``gemm_f32``), side by side with the ratio, and the same packed panels through torch's
 batched GEMM (``panels``: what the ``native`` method runs above ``NATIVE_F32_MAX_ROWS`` rows). ``x 1 row``:
 the native pass over its 1-row time (a decode step of that many requests, a speculative verify of
-rows - 1 drafts, against a 1-token step). The backends take turns within each repeat, the least time
-median kept (``--repeats``; the least time moved by up to 20% between runs at 1-8 rows here). Run it
-alone:
+rows - 1 drafts, against a 1-token step; shown when ``--rows`` starts at 1). The backends take turns
+within each repeat and the median is kept (``--repeats``; the least time moved by up to 20% between
+runs at 1-8 rows here). Run it alone:
 
     .venv/bin/python bench/bench_gemm_cold.py --json bench/results/gemm_cold.json
 """
@@ -64,12 +64,13 @@ def main():
                     chain(b)
                     times[b].append(time.perf_counter() - t)
             res = {b: statistics.median(v) for b, v in times.items()}
-            one = rows_out[0]["native_ms"] / 1e3 if rows_out and rows_out[0]["rows"] == 1 else res["native"]
+            one = res["native"] if m == 1 and not rows_out else (
+                rows_out[0]["native_ms"] / 1e3 if rows_out and rows_out[0]["rows"] == 1 else None)
             rows_out.append({"rows": m, **{f"{b}_ms": 1e3 * t for b, t in res.items()},
                              **{f"{b}_gflops": flop_per_row * m / t / 1e9 for b, t in res.items()},
                              "native_speedup": res["onednn"] / res["native"],
                              "native_vs_panels": res["panels"] / res["native"],
-                             "native_x_one_row": res["native"] / one})
+                             "native_x_one_row": None if one is None else res["native"] / one})
     from rich.console import Console
     from rich.table import Table
 
@@ -79,7 +80,7 @@ def main():
         t.add_column(c, justify="right")
     for r in rows_out:
         t.add_row(str(r["rows"]), f"{r['onednn_ms']:.2f}", f"{r['onednn_gflops']:.0f}", f"{r['native_ms']:.2f}",
-                  f"{r['native_gflops']:.0f}", f"{r['native_speedup']:.2f}x", f"{r['native_x_one_row']:.2f}",
+                  f"{r['native_gflops']:.0f}", f"{r['native_speedup']:.2f}x", "-" if r["native_x_one_row"] is None else f"{r['native_x_one_row']:.2f}",
                   f"{r['panels_ms']:.2f}", f"{r['native_vs_panels']:.2f}x")
     Console(width=160).print(t)
     from appliance.runtime.cpu_features import detect
