@@ -85,8 +85,8 @@ def test_held_weights_are_ggufs_dequantization_and_outputs_the_reference(qtype, 
         assert per_weight == pytest.approx(0.8125)
 
 
-@pytest.mark.parametrize("bits,group,zp", [(4, 32, True), (4, 32, False), (5, 32, False), (5, 64, True),
-                                           (6, 16, False), (6, 32, True)])
+@pytest.mark.parametrize("bits,group,zp", [(4, 32, True), (4, 32, False), (4, 16, True), (4, 64, False),
+                                           (5, 32, False), (5, 64, True), (6, 16, False), (6, 32, True)])
 @pytest.mark.parametrize("scale_at", ["fp16_max", "fp16_min"])
 @pytest.mark.parametrize("pattern", ["alternating", "uniform"])
 def test_worst_case_blocks(bits, group, zp, scale_at, pattern):
@@ -96,7 +96,8 @@ def test_worst_case_blocks(bits, group, zp, scale_at, pattern):
     sub-scale (63); and fp16's smallest subnormal (2^-24). "uniform": every weight at the top of its
     range and every activation but the first coded -128, so each int16 lane of a VPMADDUBSW pair holds
     2 * u_max * 128 and the x86 kernels' int16 sums over several steps (4 bits: eight products of
-    steps before a widening, 30720) are at their bound."""
+    steps before a widening, 30720; 5 bits: two, 31744) are at their bound. 4 bits with groups of 16
+    widen every 2 steps, of 64 every 4 (twice a group)."""
     m = _BY_BITS[bits]
     n, k = 32, 512
     c = {4: 8, 5: 16, 6: 32}[bits]
@@ -111,8 +112,9 @@ def test_worst_case_blocks(bits, group, zp, scale_at, pattern):
     p = m.pack(q, scale, zero_point)
     from appliance.layers.methods.qmath import quant_act
 
-    # 2 rows: the per-token loop (decode); 6 rows: a tile's chunk unpacked once for 4 tokens at a time
-    for rows in (2, 6):
+    # 1-4 rows: each step unpacked in registers for all the rows (decode, a speculative verify); 5 and 6
+    # rows: a tile's chunk unpacked once into L1 for 4 tokens at a time and the remainder
+    for rows in (1, 2, 3, 4, 5, 6):
         if pattern == "uniform":
             x = torch.where(kk == 0, 0.99, -1.0).reshape(1, k).repeat(rows, 1)
         else:
@@ -127,11 +129,12 @@ def test_worst_case_blocks(bits, group, zp, scale_at, pattern):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q4_0", "Q4_1", "Q6_K", "Q5_0", "Q5_1"])
-@pytest.mark.parametrize("k,rows", [(768, 37), (4096, 70), (1024, 301)])
+@pytest.mark.parametrize("k,rows", [(768, 2), (768, 3), (768, 4), (768, 5), (768, 37), (4096, 70), (1024, 301)])
 def test_many_rows_equal_each_row_alone(qtype, k, rows):
     """Prefill-sized inputs (a tile's weights unpacked once and met by several tokens at a time) give
     every row exactly, bit for bit, what that row gives alone (decode's per-token loop): the integer
-    sums and the order of the fp32 operations per token are the same. Rows 37: blocks of 4 and a
+    sums and the order of the fp32 operations per token are the same. Rows 2-4: the rows meet each
+    step's weights together in registers (a speculative verify); 5: unpacked once for 4 and 1. Rows 37: blocks of 4 and a
     remainder; 70 rows of 4096 inputs: more than one token block of the x86 kernel (at most about
     256 KiB of int8 activations a block, the blocks of equal size: 36 + 34); 301 rows of 1024: 256
     rows at most a block, taken as 152 + 149 (a remainder of 1 after the blocks of 4)."""

@@ -111,6 +111,7 @@ struct WLowBlock {
   const uint8_t* lo;     // the tile's nibble plane, [K/8][16][4]
   const uint8_t* hi;     // the tile's 2-bit plane [K/16][16][4] (6 bits), 1-bit plane [K/32][16][4] (5 bits) or null
   int64_t k0, kc;        // k0 and kc multiples of G (and of 16; of 32 for 5 bits)
+  int64_t ng;            // kc / G: the chunk's groups
   int G, bits;
   const int8_t* x;       // token 0's int8 xq from input k0; token t at x + t * ldx
   int64_t ldx;

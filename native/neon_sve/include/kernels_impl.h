@@ -1037,8 +1037,13 @@ static void gemm_wlow_a8(const WLowArgs& a) {
     wlow_int_group_sums(reinterpret_cast<const int8_t*>(xq.data() + m * K), K, G, xsum + m * groups);
 #endif
   }
-  // whole groups per chunk
+  // whole groups per chunk; AK_WLOW_FAST's few-token blocks (decode, a speculative verify) never
+  // unpack to L1, so their chunk is the whole row: one pass per tile, no per-chunk setup
+#ifdef AK_WLOW_FAST
+  const int64_t chunk = (M < kWLowUnpackTokens && !kq) ? K : std::max<int64_t>(G, kWLowChunk / G * G);
+#else
   const int64_t chunk = std::max<int64_t>(G, kWLowChunk / G * G);
+#endif
   const int64_t tiles = (N + 15) / 16;
   // K-quant: groups [g0, g0 + ng) of a tile's fp32 scales into sc, and (with offsets) into off
   const WLowKqTables kt{a.ksub, a.ksubmin, a.ksup, a.ksupmin, a.kshift, G, S};
@@ -1062,6 +1067,7 @@ static void gemm_wlow_a8(const WLowArgs& a) {
     }
   };
 #ifdef AK_WLOW_FAST
+  const int64_t chunk_groups = chunk / G;
   // Items: (token block, tile), tiles inner; each chunk of a tile's weights (a few KiB, in L1) meets
   // every token of the block in turn. A block's int8 activations (about kWLowBlockBytes) stay in L2
   // while its tiles run over them, rather than all M tokens being read from further out per tile.
@@ -1087,6 +1093,7 @@ static void gemm_wlow_a8(const WLowArgs& a) {
         b.hi = a.hi ? a.hi + tile * wlow_hi_tile_bytes(a.bits, K) : nullptr;
         b.k0 = k0;
         b.kc = std::min(chunk, K - k0);
+        b.ng = b.kc == chunk ? chunk_groups : b.kc / G;
         b.G = (int)G;
         b.bits = a.bits;
         b.x = reinterpret_cast<const int8_t*>(xq.data()) + m0 * K + k0;
@@ -1467,6 +1474,7 @@ static void moe_q_tile(const MoeQProj& p, int64_t e, int64_t tile, int64_t K, in
   const int64_t chunk = std::max<int64_t>(G, kWLowChunk / G * G);
 #ifdef AK_WLOW_FAST
   // gemm_wlow_a8's token blocks for these rows
+  const int64_t chunk_groups = chunk / G;
   const int64_t mb = std::min<int64_t>(n, std::max<int64_t>(16, kWLowBlockBytes / K / 4 * 4));
   for (int64_t m0 = r0; m0 < r0 + n; m0 += mb) {
     const int64_t T = std::min(mb, r0 + n - m0);
@@ -1478,6 +1486,7 @@ static void moe_q_tile(const MoeQProj& p, int64_t e, int64_t tile, int64_t K, in
       b.hi = hi;
       b.k0 = k0;
       b.kc = std::min(chunk, K - k0);
+      b.ng = b.kc == chunk ? chunk_groups : b.kc / G;
       b.G = (int)G;
       b.bits = p.bits;
       b.x = reinterpret_cast<const int8_t*>(xq) + m0 * K + k0;
