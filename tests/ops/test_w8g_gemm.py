@@ -19,7 +19,7 @@ from appliance.layers import quant
 # group 16 (GGUF Q6_K/Q3_K/Q2_K sub-blocks; K = 48 per channel too)
 SHAPES = [(960, 576, 32), (576, 1536, 32), (3072, 576, None), (576, 1536, None), (37, 96, 32), (1, 160, 32),
           (200, 256, 64), (33, 96, None), (960, 576, 16), (37, 96, 16), (17, 48, None)]
-ROWS = (1, 2, 7, 16, 33)
+ROWS = (1, 2, 3, 4, 5, 7, 16, 33)  # the x86 block takes tokens 4 at a time, then 3, 2 or 1 in one pass
 
 
 def _case(n, k, group, seed, full_range=False):
@@ -130,7 +130,7 @@ def test_w8g_gemm_worst_case_for_overflow(variant, pattern, group):
     s = torch.full((n, k // group), 0.01)
     p = quant.pack("w8a8_native", q, s)
     assert p["group"] == group
-    for m in (1, 2, 9):
+    for m in (1, 2, 3, 4, 9):
         x = x_row[None].repeat(m, 1)
         xq, _, _ = quant._quant_act(x)
         assert xq.max() == 127 and (pattern == "all_max" or xq.min() == -128)
