@@ -2,6 +2,7 @@
 proposals, the adaptive length after accepted and rejected runs, and no drafts past max_tokens."""
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -23,6 +24,26 @@ def test_most_recent_of_equal_length_matches():
     toks = [4, 5, 6, 7, 4, 5, 8, 9, 4, 5]
     assert propose_ngram(toks, 2, 4, 3) == [8, 9, 4]
     assert propose_ngram(toks, 3, 4, 3) == []  # [9, 4, 5] occurs nowhere else: under the minimum
+
+
+def _propose_brute_force(toks, min_n, max_n, k):
+    """The definition, directly: for n from max_n down, every earlier window equal to the suffix."""
+    for n in range(min(max_n, len(toks) - 1), min_n - 1, -1):
+        hits = [i for i in range(len(toks) - n) if toks[i:i + n] == toks[len(toks) - n:]]
+        if hits:
+            return toks[hits[-1] + n:hits[-1] + n + k]
+    return []
+
+
+def test_matches_the_definition_on_random_sequences():
+    """Small alphabets make many overlapping and partial matches; lengths from 1 (nothing before the
+    suffix) up, min_n from 1, max_n past the sequence."""
+    rng = random.Random(7)
+    for _ in range(5000):
+        toks = [rng.randrange(rng.choice([2, 3, 5, 40])) for _ in range(rng.randint(1, 50))]
+        lo = rng.randint(1, 4)
+        hi, k = rng.randint(lo, 6), rng.randint(1, 5)
+        assert propose_ngram(toks, lo, hi, k) == _propose_brute_force(toks, lo, hi, k), (toks, lo, hi, k)
 
 
 def test_draft_length_grows_after_full_acceptance_and_shrinks_after_a_rejection():
