@@ -112,8 +112,7 @@ def test_worst_case_blocks(bits, group, zp, scale_at, pattern):
     p = m.pack(q, scale, zero_point)
     from appliance.layers.methods.qmath import quant_act
 
-    # 1-4 rows: each step unpacked in registers for all the rows (decode, a speculative verify); 5 and 6
-    # rows: a tile's chunk unpacked once into L1 for 4 tokens at a time and the remainder
+    # the x86 kernel meets rows 4 at a time, then 3, 2 or 1, each step unpacked in registers once per pass
     for rows in (1, 2, 3, 4, 5, 6):
         if pattern == "uniform":
             x = torch.where(kk == 0, 0.99, -1.0).reshape(1, k).repeat(rows, 1)
@@ -131,10 +130,10 @@ def test_worst_case_blocks(bits, group, zp, scale_at, pattern):
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q4_0", "Q4_1", "Q6_K", "Q5_0", "Q5_1"])
 @pytest.mark.parametrize("k,rows", [(768, 2), (768, 3), (768, 4), (768, 5), (768, 37), (4096, 70), (1024, 301)])
 def test_many_rows_equal_each_row_alone(qtype, k, rows):
-    """Prefill-sized inputs (a tile's weights unpacked once and met by several tokens at a time) give
-    every row exactly, bit for bit, what that row gives alone (decode's per-token loop): the integer
-    sums and the order of the fp32 operations per token are the same. Rows 2-4: the rows meet each
-    step's weights together in registers (a speculative verify); 5: unpacked once for 4 and 1. Rows 37: blocks of 4 and a
+    """Many rows (a tile's weights met by several tokens in one pass) give every row exactly, bit for
+    bit, what that row gives alone (a decode step): the integer
+    sums and the order of the fp32 operations per token are the same. Rows 2-5: one pass of the x86
+    kernel over a tile meets up to 4 rows (a speculative verify; 5: 4 and 1). Rows 37: passes of 4 and a
     remainder; 70 rows of 4096 inputs: more than one token block of the x86 kernel (at most about
     256 KiB of int8 activations a block, the blocks of equal size: 36 + 34); 301 rows of 1024: 256
     rows at most a block, taken as 152 + 149 (a remainder of 1 after the blocks of 4)."""

@@ -1037,10 +1037,11 @@ static void gemm_wlow_a8(const WLowArgs& a) {
     wlow_int_group_sums(reinterpret_cast<const int8_t*>(xq.data() + m * K), K, G, xsum + m * groups);
 #endif
   }
-  // whole groups per chunk; AK_WLOW_FAST's few-token blocks (decode, a speculative verify) never
-  // unpack to L1, so their chunk is the whole row: one pass per tile, no per-chunk setup
+  // whole groups per chunk; AK_WLOW_FAST unpacks in registers (nothing in L1 to size), so its chunk
+  // is the whole row unless K-quant scales are formed a chunk at a time: one pass per tile and token
+  // pass, no per-chunk setup
 #ifdef AK_WLOW_FAST
-  const int64_t chunk = (M < kWLowUnpackTokens && !kq) ? K : std::max<int64_t>(G, kWLowChunk / G * G);
+  const int64_t chunk = kq ? std::max<int64_t>(G, kWLowChunk / G * G) : K;
 #else
   const int64_t chunk = std::max<int64_t>(G, kWLowChunk / G * G);
 #endif
