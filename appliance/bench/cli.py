@@ -191,7 +191,9 @@ def spec(
     draft_quantization: Annotated[Optional[str], Opt(help="speculative_config.quantization: how the draft's "
                                                           "weights run (none | w8a8 | w4a8 | gguf).")] = None,
     llamacpp: Annotated[bool, Opt(help="Also llama.cpp's llama-server at batch 1 on the same prompts, on the "
-                                       "target's float32 GGUF, without and with --draft (a .gguf) as its -md.")]
+                                       "target's float32 GGUF (with -e quantization=gguf: the GGUF itself), "
+                                       "without speculation, with its n-gram lookup and with --draft (a .gguf) "
+                                       "as its -md.")]
     = False,
     draft_layers: Annotated[int, Opt(help="Layers of the truncated draft.")] = 2,
     target: Annotated[Optional[str], Opt(help="expanded-0.5b: instead of --model, the default model widened "
@@ -253,7 +255,8 @@ def spec(
             from appliance.bench.spec import llamacpp_target_gguf, run_llamacpp
 
             draft_gguf = draft if draft and draft.lower().endswith(".gguf") else None
-            rows += run_llamacpp(llamacpp_target_gguf(model), draft_gguf, prompts, output_len, num_speculative_tokens,
+            rows += run_llamacpp(llamacpp_target_gguf(model, kw.get("quantization")), draft_gguf, prompts, output_len,
+                                 num_speculative_tokens,
                                  num_threads or torch.get_num_threads(), log=lambda m: typer.echo(m, err=True))
     except ValueError as e:
         _fail(str(e))

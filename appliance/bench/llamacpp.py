@@ -157,7 +157,10 @@ def llama_bench(model: str | os.PathLike, threads: int, prompt_len: int, gen_len
            "-n", str(gen_len), "-r", str(reps), "-o", "json"]
     if tuple(depths) != (0,):
         cmd += ["-d", ",".join(str(d) for d in depths)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    from appliance.bench.servers import server_env, shell_cpus
+
+    with shell_cpus():  # the CPUs and environment of a shell, not the bench process's pinned thread
+        r = subprocess.run(cmd, capture_output=True, text=True, env=server_env())
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
     return json.loads(r.stdout), " ".join(cmd)
@@ -202,7 +205,13 @@ def llama_server_run(model: str | os.PathLike, threads: int, prompts: list[list[
     log = build_dir(version) / "llama-server.log"
     with open(log, "w") as logf:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        from appliance.bench.servers import server_env, shell_cpus
+
+        # as from a shell: under `appliance bench` this thread is bound to one CPU (libgomp's place 0)
+        # and the environment holds the bench's OpenMP placement; llama-server inherited both
+        with shell_cpus():
+            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=server_env())
         try:
             while True:
                 if proc.poll() is not None:

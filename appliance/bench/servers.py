@@ -46,6 +46,7 @@ llama.cpp (PyPI ``llama-cpp-python[server]==0.3.36``, own venv ``.venv-peers/lla
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -294,6 +295,22 @@ def _llama_cpp_peer(peers_dir: Path, model_dir: str | None, gguf: str | None, dt
 _GGML_TYPE = {"float32": 0, "float16": 1, "bfloat16": 30}  # ggml_type of llama.cpp's KV cache
 
 
+@contextlib.contextmanager
+def shell_cpus():
+    """While starting a peer process: the calling thread's CPU mask widened to ``server_cpus()``. A
+    child inherits the mask of the thread that forks it, and in a bench process libgomp has bound
+    that thread to place 0 (one CPU): a llama.cpp tool started from it ran all its threads there."""
+    mask = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, server_cpus())
+    except OSError:
+        pass
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mask)
+
+
 class ServerProcess:
     """A server started from ``command`` (``{port}`` filled in); ``stop()`` ends its process group."""
 
@@ -303,17 +320,9 @@ class ServerProcess:
         self.command = [c.replace("{port}", str(self.port)) for c in command]
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="appliance-bench-server-", suffix=".log", delete=False)
-        # The child inherits the calling thread's CPU mask: widen it to server_cpus() for the fork.
-        mask = os.sched_getaffinity(0)
-        try:
-            os.sched_setaffinity(0, server_cpus())
-        except OSError:
-            pass
-        try:
+        with shell_cpus():
             self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
                                          start_new_session=True, env=server_env(env))
-        finally:
-            os.sched_setaffinity(0, mask)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         deadline = time.monotonic() + startup_timeout
         while True:

@@ -17,8 +17,10 @@ on glibc malloc with unpinned OpenMP threads and the default loop schedule (spec
 OMP_PROC_BIND=close and OMP_SCHEDULE=static. On a shared 2-core host, unpinned spinning OpenMP
 threads are the likely main cost; bench_spec.py now re-executes like `appliance bench spec`.
 
-``--llamacpp`` adds llama.cpp's llama-server at batch 1 on the same prompt token ids: the target as
-a float32 GGUF of the weights the appliance runs, without and with its draft (``-md``).
+``--llamacpp`` adds llama.cpp's llama-server at batch 1 on the same prompt token ids, on the weights
+the appliance runs: the target as a float32 GGUF, or with ``-e quantization=gguf`` (both systems at the
+file's own quant) the GGUF file itself; without speculation, with its own n-gram lookup and with its
+draft (``-md``).
 """
 from __future__ import annotations
 
@@ -209,14 +211,22 @@ def run_bench(model: str | None, draft: str | None, settings: list[str], workloa
     return rows
 
 
+# llama.cpp's own prompt lookup (``--spec-type ngram-simple``): the last LLAMACPP_NGRAM_N tokens (the
+# one just sampled among them) looked up in the request's tokens, the K after the latest earlier
+# match drafted. Its default N of 12 (with 48 drafted) suits long verbatim repeats; 3 is the middle
+# of the appliance's prompt_lookup_min 2 .. max 4 (run_bench), so both look up alike.
+LLAMACPP_NGRAM_N = 3
+
+
 def run_llamacpp(target_gguf: str, draft_gguf: str | None, prompts: dict[str, list[int]], max_tokens: int,
-                 k: int, threads: int, log=print) -> list[dict]:
+                 k: int, threads: int, log=print, ngram: bool = True) -> list[dict]:
     """llama.cpp's llama-server at batch 1 (``-np 1``) on the same prompts (token ids), greedy,
-    without and (``draft_gguf``) with its draft model (``--spec-type draft-simple -md DRAFT
-    --spec-draft-n-max K --spec-draft-n-min 0``: this llama.cpp build removed ``--draft-max``);
-    decode tok/s is the server's own ``predicted_per_second`` (prompt processing not in it), and
-    acceptance its ``draft_n_accepted / draft_n``. Rows as ``run_bench``'s, settings ``llama.cpp``
-    and ``llama.cpp+draft``."""
+    without speculation, with its own n-gram lookup (``ngram``: ``--spec-type ngram-simple``, N =
+    LLAMACPP_NGRAM_N, K drafted) and (``draft_gguf``) with its draft model (``--spec-type
+    draft-simple -md DRAFT --spec-draft-n-max K --spec-draft-n-min 0``: this llama.cpp build removed
+    ``--draft-max``); decode tok/s is the server's own ``predicted_per_second`` (prompt processing
+    not in it), and acceptance its ``draft_n_accepted / draft_n``. Rows as ``run_bench``'s, settings
+    ``llama.cpp``, ``llama.cpp+ngram`` and ``llama.cpp+draft``."""
     from appliance.bench import llamacpp
 
     if not llamacpp.is_built():
@@ -224,6 +234,9 @@ def run_llamacpp(target_gguf: str, draft_gguf: str | None, prompts: dict[str, li
         return []
     rows = []
     setups = [("llama.cpp", [])]
+    if ngram:
+        setups.append(("llama.cpp+ngram", ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n",
+                                           str(LLAMACPP_NGRAM_N), "--spec-ngram-simple-size-m", str(k)]))
     if draft_gguf:
         setups.append(("llama.cpp+draft", ["--spec-type", "draft-simple", "-md", str(draft_gguf),
                                            "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0",
@@ -243,13 +256,20 @@ def run_llamacpp(target_gguf: str, draft_gguf: str | None, prompts: dict[str, li
     return rows
 
 
-def llamacpp_target_gguf(model: str | None) -> str:
-    """The target as llama.cpp reads it, with the weights the appliance runs: the float32 GGUF of
-    the model's HF-layout form (a GGUF target is dequantized to it, as the appliance loads it)."""
+def llamacpp_target_gguf(model: str | None, quantization: str | None = None) -> str:
+    """The target as llama.cpp reads it, with the weights the appliance runs: a GGUF target run as
+    the file stores it (``quantization`` gguf: each system at its native quant) is that file itself;
+    otherwise the float32 GGUF of the model's HF-layout form (a GGUF target is dequantized to it, as
+    the appliance loads it)."""
     from appliance.bench.gguf_export import cached_gguf
-    from appliance.models.default_model import converted_model_dir, resolve_model_source
+    from appliance.models.default_model import converted_model_dir, default_gguf_path, resolve_model_source
 
     src = resolve_model_source(model)
+    if quantization == "gguf":
+        src = default_gguf_path() if model is None else src  # the embedded model's own file
+        if not src.is_file():
+            raise ValueError(f"quantization gguf: the target must be a .gguf file; got {str(src)!r}")
+        return str(src)
     return str(cached_gguf(converted_model_dir(src) if src.is_file() else src, "float32"))
 
 
