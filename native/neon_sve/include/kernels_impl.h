@@ -1069,8 +1069,8 @@ static void gemm_wlow_a8(const WLowArgs& a) {
   };
 #ifdef AK_WLOW_FAST
   const int64_t chunk_groups = chunk / G;
-  // Items: (token block, tile), tiles inner; each chunk of a tile's weights (a few KiB, in L1) meets
-  // every token of the block in turn. A block's int8 activations (about kWLowBlockBytes) stay in L2
+  // Items: (token block, tile), tiles inner; a tile's row (its chunk: the whole row for float group
+  // scales, 4.6 KiB at K = 576 in 4 bits; in L2 past ~16k inputs) meets the block's tokens 4 per pass. A block's int8 activations (about kWLowBlockBytes) stay in L2
   // while its tiles run over them, rather than all M tokens being read from further out per tile.
   // The blocks are of equal size (to a multiple of 4 tokens, the work item's step): the static
   // schedule gives each thread a run of items, which at a few blocks is whole blocks, and blocks of
