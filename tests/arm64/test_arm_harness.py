@@ -88,6 +88,9 @@ def test_harness_under_qemu(arm_build, profile):
         assert len(re.findall(rf"^PASS {v}\s+kv write ", r.stdout, re.M)) == 3, v
         assert len(re.findall(rf"^PASS {v}\s+attn .*kv:(int8|fp8_e4m3|fp8_e5m2) ", r.stdout, re.M)) == 15, v
         assert re.search(rf"^PASS {v}\s+argmax_rows ", r.stdout, re.M), v  # greedy sampling's row argmax
+        # a chunk's attention rows bit for bit its decode steps (f32 / bf16 caches, 8 shapes each:
+        # partition-grid crossings, prefill tiles, windows)
+        assert len(re.findall(rf"^PASS {v}\s+attn rows == decode steps ", r.stdout, re.M)) == 16, v
         # a quantized MoE layer in one region (moe_q) bit for bit the per-expert calls: W8G, 4-bit with
         # offsets, 6-bit, GGUF K-quant experts (Q4_K-like gate/up, Q6_K-like down) and 5-bit
         assert len(re.findall(rf"^PASS {v}\s+moe_q ", r.stdout, re.M)) == 5, v

@@ -272,6 +272,52 @@ void check_attention(const std::vector<const KernelTable*>& variants) {
   }
 }
 
+// A query row's attention is the same bits whatever else the call holds (kernels_impl.h, the work
+// split): each row of a verify chunk (2..7 queries) or a prefill tile (40 queries) equals the one-query
+// call at its position, also where a row crosses the partition grid (256 keys here) or the softmax
+// chunks' (128), within a sliding window,
+// and on both thread counts the harness runs with. In every variant, its own rows against its own
+// decode steps (the variants differ from each other in the last bits; each must agree with itself).
+void check_row_invariance(const std::vector<const KernelTable*>& variants) {
+  struct Shape { int ctx0, q_len, window; };
+  const std::vector<Shape> shapes = {{13, 4, 0},   {125, 5, 0}, {252, 7, 0}, {509, 2, 0}, {0, 40, 0},
+                                     {230, 40, 0}, {250, 5, 40}, {240, 40, 147}};
+  for (int kvdt : {kF32, kBF16})
+    for (const Shape& sh : shapes) {
+      const int ctx = sh.ctx0 + sh.q_len;
+      AttnCase c{{{sh.q_len, ctx}}, 9, 3, 64, 16, kvdt, kF32, sh.window, 0.f};
+      AttnData d(c, 500 + sh.ctx0 + sh.q_len);
+      const size_t row = (size_t)c.heads * c.head_size;
+      for (const KernelTable* kt : variants) {
+        const std::vector<float> chunk = run_attention(kt, c, d);
+        bool ok = true;
+        double err = 0;
+        for (int j = 0; j < sh.q_len; ++j) {
+          // the same cache and block table, one query: row j at its own position
+          AttnCase c1 = c;
+          c1.seqs = {{1, sh.ctx0 + j + 1}};
+          AttnData d1 = d;
+          d1.seq_lens = {sh.ctx0 + j + 1};
+          d1.qsl = {0, 1};
+          d1.num_tokens = 1;
+          d1.q = Buf(row, c.q_dtype);
+          for (size_t e = 0; e < row; ++e) d1.q.set(e, d.q.get(j * row + e));
+          const std::vector<float> one = run_attention(kt, c1, d1);
+          for (size_t e = 0; e < row; ++e)
+            if (one[e] != chunk[j * row + e]) {
+              ok = false;
+              err = std::max(err, (double)std::fabs(one[e] - chunk[j * row + e]));
+            }
+        }
+        report(ok, kt->name,
+               "attn rows == decode steps " + std::string(kvdt == kBF16 ? "kv:bf16" : "kv:f32") + " ctx0 " +
+                   std::to_string(sh.ctx0) + " q " + std::to_string(sh.q_len) +
+                   (sh.window ? " win" + std::to_string(sh.window) : ""),
+               err);
+      }
+    }
+}
+
 // ------------------------------------------------------------------------------------------
 // the other ops
 
@@ -1443,6 +1489,7 @@ int main(int argc, char** argv) {
     check_exp(variants);
     check_rows(variants);
     check_attention(variants);
+    check_row_invariance(variants);
     check_w8g(variants);
     check_wlow(variants);
     check_wlow_kquant(variants);

@@ -24,11 +24,20 @@
 //
 // Work split of paged attention: items are (sequence, kv head, query tile, context partition).
 // All query heads of a GQA group are rows of the same item, so every K/V block is streamed from
-// memory once per group and then reused from L1 by the group's rows. Long contexts of short
-// query tiles (decode) are cut into partitions of kPartitionTokens (fewer when there would be
-// under two items per thread) whose partial softmax states (max, sum, unnormalized accumulator)
-// are merged afterwards. Both loops use static scheduling. Within an item the context is walked
-// in chunks of ~32 KiB of K (several blocks), one online-softmax step per chunk.
+// memory once per group and then reused from L1 by the group's rows. The context of a short query
+// tile (decode, a speculative verify) is cut on a fixed grid of partitions, [j * P, (j + 1) * P)
+// with P = kPartitionTokens rounded to whole chunks, whose partial softmax states (max, sum,
+// unnormalized accumulator) are merged afterwards; within an item the context is walked in chunks
+// on the absolute grid of W tokens (~32 KiB of K, several blocks), one online-softmax step per
+// chunk. Neither grid depends on the call (its batch, its spans, the thread count), so a query row
+// gets the same bits whatever else the call holds: a verify chunk's rows equal the decode steps at
+// their positions (the keys past a row are masked to exact zeros), and greedy tokens do not move
+// with speculation, batching or the host's core count. A long query tile (prefill) is one item over
+// its whole context, but keeps the same per-partition states: at each grid boundary a row's state is
+// folded into a running one (fold_state) exactly as the merge folds the partials of a short tile, in
+// the same order, so a prompt's row equals the decode step at its position too, and a prefix-cache
+// hit (whose last prompt token is recomputed alone) or another prefill chunking does not change a
+// later token. Both loops use static scheduling.
 // Sliding window (AttentionArgs::sliding_window = W): an item's context starts at the block holding
 // its first query's first visible key (position - W + 1), so blocks before every window of the
 // item are never read (nor their block_table entries); within the item each row masks the keys
@@ -39,8 +48,10 @@ namespace impl {
 
 using namespace ::appliance_kernels::common;
 
-constexpr int kPartitionTokens = 512;
-constexpr int kMinPartitionTokens = 128;
+// Context partition of a short query tile (rounded up to whole chunks): a single decode spreads over
+// the cores from ~512 tokens of context (its KV heads apart below that). Against 128, fewer partition
+// states to fold and merge at long contexts and large batches (bench/results/attention_grid.txt).
+constexpr int kPartitionTokens = 256;
 constexpr int kMaxTileRows = 64;
 // Blocks per softmax chunk: about 32 KiB of K per chunk (the chunk's K and V stay in L2; the
 // prefetch runs one chunk ahead, and 32 KiB measured best for decode against 8, 16 and 64 KiB:
@@ -160,25 +171,65 @@ static inline void pv_codes(float* A, int M, const float* P, int lds, const KT* 
 }
 #endif
 
+// Folds a row's softmax state over one context partition (max m_p, sum l_p, unnormalized
+// accumulator acc_p; l_p == 0: the row saw no key there) into its running state over the partitions
+// before it. The one arithmetic for combining partitions, used by the merge of a short tile's
+// partials and by a long tile's item at each partition boundary; noinline so that both run the same
+// instructions (a row gets the same bits either way).
+__attribute__((noinline)) static void fold_state(float* m_run, float* l_run, float* acc_run, float m_p,
+                                                 float l_p, const float* acc_p, int D) {
+  if (l_p == 0.f) return;
+  if (*l_run == 0.f) {
+    *m_run = m_p;
+    *l_run = l_p;
+    std::memcpy(acc_run, acc_p, sizeof(float) * (size_t)D);
+    return;
+  }
+  // one exponential: the side holding the larger max keeps its scale (1)
+  if (m_p <= *m_run) {
+    const float b = exp_scalar(m_p - *m_run);
+    *l_run += l_p * b;
+    for (int d = 0; d < D; ++d) acc_run[d] += acc_p[d] * b;
+  } else {
+    const float a = exp_scalar(*m_run - m_p);
+    *m_run = m_p;
+    *l_run = *l_run * a + l_p;
+    for (int d = 0; d < D; ++d) acc_run[d] = acc_run[d] * a + acc_p[d];
+  }
+}
+
 struct Item {
   int seq;
   int h0, h1;       // KV heads [h0, h1): one, or all of them (see paged_attention_kt)
   int q0, q1;       // query tokens of the sequence, relative to its first new token
   int c0, c1;       // context positions [c0, c1), c0 a multiple of block_size
   int64_t partial;  // first row (of D floats) of its partial state, or -1: writes out directly
+  int merge = -1;   // a partition's merge, and its index among the merge's partitions
+  int pidx = 0;
 };
 
 struct Merge {
   int seq, h0, h1, q0, q1;
   int64_t first_partial;  // partial row index of the first partition
   int num_partials;       // partitions, each holding M = (h1 - h0) * (q1 - q0) * group rows
+  // Partitions 0 .. prefix - 1 already folded, in order, by the thread that ran them one after the
+  // other (its contiguous share of the items); their running state sits in partition 0's slot.
+  int prefix = 0;
+};
+
+// A thread's fold over the consecutive partitions of one merge that it runs from partition 0 on: the
+// same folds, in the same order, as the merge would make of their partials, done as they come (no
+// partials written, fewer folded afterwards).
+struct Chain {
+  int merge = -1;
+  int count = 0;  // partitions folded
 };
 
 // Rows of an item: KV head hh (relative to h0) major, then query token, then head of the group:
 // r = (hh * nq + qi) * G + g, so each KV head's rows are contiguous (Mh = nq * G of them).
 template <class KT>
-static void run_item(const AttentionArgs& a, const Item& it, const Item* next, int cap, float* ws,
-                     float* part_acc, float* part_ml) {
+static void run_item(const AttentionArgs& a, const Item& it, const Item* next, int cap, int part, float* ws,
+                     float* part_acc, float* part_ml, std::vector<Merge>& merges, Chain& chain) {
   const int G = a.num_heads / a.num_kv_heads;
   const int D = a.head_size, BS = a.block_size;
   const int q_begin = a.query_start_loc[it.seq];
@@ -191,8 +242,8 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
   const int W = chunk_blocks_for(BS, D, sizeof(KT)) * BS;
   // Workspace: Q [cap*D] | qpack [(cap + 2*nh)*D] | acc [cap*D] | S [cap*W] | m | l | lim | low [cap]
   // | deq [BS*D] (a dequantized tile) | ksc, vsc [num_kv_heads*W] each (the chunk's K and V scales per
-  // KV head, contiguous; the last two quantized KV only) with cap >= M rows (sized in
-  // paged_attention_kt as ws_floats).
+  // KV head, contiguous; used by quantized KV only) | acc_run [cap*D] | m_run, l_run [cap] with cap >= M
+  // rows (sized in paged_attention_kt as ws_floats).
   float* Q = ws;
   float* qpack = Q + (int64_t)cap * D;
   float* acc = qpack + (int64_t)(cap + 2 * a.num_kv_heads) * D;
@@ -205,6 +256,11 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
   (void)deq;  // unused where the variant reads codes directly (AK_KV_CODES)
   float* ksc = deq + (int64_t)BS * D;
   float* vsc = ksc + (int64_t)a.num_kv_heads * W;
+  // the running state over the partitions before the current one (an item over several: fold_state)
+  float* acc_run = vsc + (int64_t)a.num_kv_heads * W;
+  float* m_run = acc_run + (int64_t)cap * D;
+  float* l_run = m_run + cap;
+  bool folded = false;  // whether any partition has been folded into the running state
   // codes read in place: each row's scores of a chunk are taken times its K scales (q.(c_j * s_j) =
   // s_j * (q.c_j)), and once the chunk's softmax sums are taken, its weights times the V scales
   // (p_j * (c_j * s_j) = (p_j * s_j) * c_j): two multiplies per row and column of the chunk, over
@@ -251,9 +307,9 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
   // are one contiguous run of (h1 - h0) * BS floats, K's and V's gathered with the K tiles): fetched
   // the same way, a block's worth with each block's K.
   PrefetchStream pfk, pfv, pfs;
-  auto plan = [&](int c) {
+  auto chunk_end = [&](int c, int c1) { return std::min(c1, (c / W + 1) * W); };  // the W grid
+  auto plan = [&](int cn) {  // cn: where this item's next chunk starts
     const Item* src = &it;
-    int cn = c + W;
     if (cn >= it.c1) {
       src = next;
       cn = next ? next->c0 : 0;
@@ -264,7 +320,7 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
     if constexpr (KvQuant<KT>::value) pfs.reset(src ? (int64_t)(src->h1 - src->h0) * BS * 4 : 0);
     if (!src) return;
     const int32_t* sbt = a.block_table + (int64_t)src->seq * a.block_table_stride;
-    for (int pos = cn; pos < std::min(src->c1, cn + W); pos += BS) {
+    for (int pos = cn; pos < chunk_end(cn, src->c1); pos += BS) {
       const int64_t off = ((int64_t)sbt[pos / BS] * a.num_kv_heads + src->h0) * tile;
       pfk.add(kc + off);
       pfv.add(vc + off);
@@ -276,9 +332,23 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
   };
   const int scale_lines = (int)((2 * (int64_t)nh * BS * 4 + 63) / 64);
   const int block_lines = (int)(((int64_t)nh * tile * (int64_t)sizeof(KT) + 63) / 64);
-  for (int c = it.c0; c < it.c1; c += W) {
-    const int cw = std::min(W, it.c1 - c);
-    plan(c);
+  // folds every row's state over the partition just walked into the running state, and starts anew
+  auto fold_rows = [&]() {
+    if (!folded)
+      for (int r = 0; r < M; ++r) m_run[r] = -std::numeric_limits<float>::infinity(), l_run[r] = 0.f;
+    folded = true;
+    for (int r = 0; r < M; ++r) {
+      fold_state(m_run + r, l_run + r, acc_run + (int64_t)r * D, m[r], l[r], acc + (int64_t)r * D, D);
+      m[r] = -std::numeric_limits<float>::infinity();
+      l[r] = 0.f;
+    }
+    std::memset(acc, 0, sizeof(float) * (size_t)M * D);
+  };
+  for (int c = it.c0, cn; c < it.c1; c = cn) {
+    cn = chunk_end(c, it.c1);
+    const int cw = cn - c;
+    if (c > it.c0 && c % part == 0) fold_rows();  // a partition boundary of the grid
+    plan(cn);
     for (int b = 0; b * BS < cw; ++b) {
       const int cb = c + b * BS;
       pfk.issue(block_lines);
@@ -385,14 +455,34 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
   }
 
   if (it.partial < 0) {
+    if (folded) fold_rows();  // the last partition too; the running state is the row's
+    const float* lf = folded ? l_run : l;
     for (int r = 0; r < M; ++r) {
       const int hh = r / Mh, qi = (r % Mh) / G, g = r % G;
       const int64_t tok = q_begin + it.q0 + qi;
-      float* ar = acc + (int64_t)r * D;
-      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+      float* ar = (folded ? acc_run : acc) + (int64_t)r * D;
+      const float inv = lf[r] > 0.f ? 1.f / lf[r] : 0.f;
       for (int d = 0; d < D; ++d) ar[d] *= inv;
       store_row(a.out, a.q_dtype, tok * a.o_stride_token + ((it.h0 + hh) * G + g) * a.o_stride_head,
                 ar, D);
+    }
+  } else if (it.pidx == 0 || (chain.merge == it.merge && chain.count == it.pidx)) {
+    // partition 0 starts this thread's chain over the merge; the next partition continues it
+    if (it.pidx == 0) {
+      chain.merge = it.merge;
+      chain.count = 0;
+      for (int r = 0; r < M; ++r) m_run[r] = -std::numeric_limits<float>::infinity(), l_run[r] = 0.f;
+    }
+    for (int r = 0; r < M; ++r)
+      fold_state(m_run + r, l_run + r, acc_run + (int64_t)r * D, m[r], l[r], acc + (int64_t)r * D, D);
+    ++chain.count;
+    if (!next || next->merge != it.merge || next->pidx != chain.count) {  // the chain ends: store it
+      const int64_t slot = merges[it.merge].first_partial;
+      std::memcpy(part_acc + slot * D, acc_run, sizeof(float) * (size_t)M * D);
+      std::memcpy(part_ml + slot * 2, m_run, sizeof(float) * M);
+      std::memcpy(part_ml + slot * 2 + M, l_run, sizeof(float) * M);
+      merges[it.merge].prefix = chain.count;
+      chain.merge = -1;
     }
   } else {
     std::memcpy(part_acc + it.partial * D, acc, sizeof(float) * (size_t)M * D);
@@ -401,7 +491,8 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
   }
 }
 
-static void merge_partials(const AttentionArgs& a, const Merge& mg, const float* part_acc,
+// Row r of a merge (rows are merged in parallel: a single decode's merge has only its heads' rows).
+static void merge_partials(const AttentionArgs& a, const Merge& mg, int r, const float* part_acc,
                            const float* part_ml, float* tmp) {
   const int G = a.num_heads / a.num_kv_heads;
   const int D = a.head_size;
@@ -409,22 +500,20 @@ static void merge_partials(const AttentionArgs& a, const Merge& mg, const float*
   const int Mh = (mg.q1 - mg.q0) * G;
   const int M = (mg.h1 - mg.h0) * Mh;
   {
-    for (int r = 0; r < M; ++r) {
+    {
       const int hh = r / Mh, qi = (r % Mh) / G, g = r % G;
-      float gm = -std::numeric_limits<float>::infinity();
-      for (int p = 0; p < mg.num_partials; ++p)
-        gm = std::max(gm, part_ml[(mg.first_partial + (int64_t)p * M) * 2 + r]);
-      float denom = 0.f;
-      for (int d = 0; d < D; ++d) tmp[d] = 0.f;
-      for (int p = 0; p < mg.num_partials; ++p) {
+      // partitions 0 .. prefix - 1 as the chain folded them (prefix >= 1: partition 0 always starts
+      // one), then the rest in context order, as a long tile's item folds them
+      const float* ml0 = part_ml + mg.first_partial * 2;
+      float m_run = ml0[r], denom = ml0[M + r];
+      std::memcpy(tmp, part_acc + (mg.first_partial + r) * D, sizeof(float) * (size_t)D);
+      for (int p = mg.prefix; p < mg.num_partials; ++p) {
         const int64_t base = mg.first_partial + (int64_t)p * M;
         const float* ml = part_ml + base * 2;
-        if (ml[M + r] == 0.f) continue;
-        const float w = exp_scalar(ml[r] - gm);
-        denom += w * ml[M + r];
-        const float* pa = part_acc + (base + r) * D;
-        for (int d = 0; d < D; ++d) tmp[d] += w * pa[d];
+        fold_state(&m_run, &denom, tmp, ml[r], ml[M + r], part_acc + (base + r) * D, D);
       }
+      if (denom == 0.f)
+        for (int d = 0; d < D; ++d) tmp[d] = 0.f;
       const float inv = denom > 0.f ? 1.f / denom : 0.f;
       for (int d = 0; d < D; ++d) tmp[d] *= inv;
       const int64_t tok = q_begin + mg.q0 + qi;
@@ -445,10 +534,8 @@ static void paged_attention_kt(const AttentionArgs& a) {
   // instead of num_kv_heads scattered tiles. Used when there are still enough items to go
   // around; else items are per KV head as for prefill.
   auto groupable = [&](int q_len) { return q_len <= qt && (int64_t)q_len * a.num_heads <= kMaxTileRows; };
-  // Partition length: kPartitionTokens, halved (down to kMinPartitionTokens, whole chunks)
-  // while there would be fewer than two items per thread, so that small decode batches with
-  // long contexts still spread over every core.
-  auto round_w = [&](int t) { return std::max(1, (t + W - 1) / W) * W; };
+  // The partition grid (see the header): P tokens, whole chunks.
+  const int part = std::max(1, (kPartitionTokens + W - 1) / W) * W;
   // First context position a query tile reads: 0, or with a window the start of the block that
   // holds its first query's first visible key (first query at position ctx - q_len + q0).
   auto ctx_start = [&](int ctx, int q_len, int q0) {
@@ -456,34 +543,28 @@ static void paged_attention_kt(const AttentionArgs& a) {
     const int lo = ctx - q_len + q0 - a.sliding_window + 1;
     return lo <= 0 ? 0 : lo / BS * BS;
   };
-  auto count_items = [&](int p, bool grouped) {
+  // partitions of the grid that [start, end) touches
+  auto parts_of = [&](int start, int end) { return (end - 1) / part - start / part + 1; };
+  // Items per KV head grouping: one item per sequence over all KV heads (grouped) reads each
+  // block as one contiguous run, but is used only while there are still two items per thread.
+  auto count_items = [&](bool grouped) {
     int64_t n = 0;
     for (int s = 0; s < a.num_seqs; ++s) {
       const int q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
       if (q_len <= 0) continue;
       const int units = grouped && groupable(q_len) ? 1 : a.num_kv_heads;
-      const int span = a.seq_lens[s] - ctx_start(a.seq_lens[s], q_len, 0);
-      if (q_len <= qt && span > p)
-        n += (int64_t)units * ((span + p - 1) / p);
+      if (q_len <= qt)
+        n += (int64_t)units * parts_of(ctx_start(a.seq_lens[s], q_len, 0), a.seq_lens[s]);
       else
         n += (int64_t)units * ((q_len + qt - 1) / qt);
     }
     return n;
   };
   const int64_t want = 2 * (int64_t)max_threads();
-  auto partition_for = [&](bool grouped) {
-    int p = round_w(kPartitionTokens);
-    while (p > W && p > kMinPartitionTokens && count_items(p, grouped) < want) p = round_w(p / 2);
-    return p;
-  };
-  bool grouped = a.num_kv_heads > 1;
-  int part = partition_for(grouped);
-  if (grouped && count_items(part, true) < want) {
-    grouped = false;
-    part = partition_for(false);
-  }
+  const bool grouped = a.num_kv_heads > 1 && count_items(true) >= want;
   std::vector<Item> items;
   std::vector<Merge> merges;
+  std::vector<std::pair<int, int>> merge_rows;  // (merge, row) of every row a merge writes
   int64_t num_partials = 0;  // partial rows
   for (int s = 0; s < a.num_seqs; ++s) {
     const int q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
@@ -496,13 +577,15 @@ static void paged_attention_kt(const AttentionArgs& a) {
         const int q1 = std::min(q_len, q0 + qt);
         const int end = ctx - q_len + q1;  // the tile's last query sees positions < end
         const int start = ctx_start(ctx, q_len, q0);  // its first query sees positions >= start
-        if (q_len <= qt && end - start > part) {
+        if (q_len <= qt && parts_of(start, end) > 1) {
           Merge mg{s, h, h1, q0, q1, num_partials, 0};
-          for (int c0 = start; c0 < end; c0 += part) {
-            items.push_back(Item{s, h, h1, q0, q1, c0, std::min(end, c0 + part), num_partials});
+          for (int c0 = start, c1; c0 < end; c0 = c1) {
+            c1 = std::min(end, (c0 / part + 1) * part);
+            items.push_back(Item{s, h, h1, q0, q1, c0, c1, num_partials, (int)merges.size(), mg.num_partials});
             num_partials += (int64_t)hstep * (q1 - q0) * G;
             mg.num_partials++;
           }
+          for (int r = 0; r < (h1 - h) * (q1 - q0) * G; ++r) merge_rows.emplace_back((int)merges.size(), r);
           merges.push_back(mg);
         } else {
           items.push_back(Item{s, h, h1, q0, q1, start, end, -1});
@@ -519,21 +602,24 @@ static void paged_attention_kt(const AttentionArgs& a) {
   const int cap = std::max(kMaxTileRows, qt * G);
   const int64_t ws_floats =
       (int64_t)cap * D * 3 + 2 * (int64_t)a.num_kv_heads * D + (int64_t)cap * W + 4 * cap + 64 +
-      (KvQuant<KT>::value ? (int64_t)BS * D + 2 * (int64_t)a.num_kv_heads * W : 0);
+      (int64_t)BS * D + 2 * (int64_t)a.num_kv_heads * W + (int64_t)cap * D + 2 * cap;
   const int64_t num_items = (int64_t)items.size();
-  const int64_t num_merges = (int64_t)merges.size();
+  const int64_t num_merge_rows = (int64_t)merge_rows.size();
 #pragma omp parallel if (num_items > 1)
   {
     float* ws = thread_scratch(kScratchAttnWork, (size_t)ws_floats);
     // The static schedule's contiguous range, spelled out so that each item knows the thread's next.
     const int nt = team_size(), t = thread_id();
     const int64_t lo = num_items * t / nt, hi = num_items * (t + 1) / nt;
+    Chain chain;
     for (int64_t i = lo; i < hi; ++i)
-      run_item<KT>(a, items[i], i + 1 < hi ? &items[i + 1] : nullptr, cap, ws, part_acc, part_ml);
+      run_item<KT>(a, items[i], i + 1 < hi ? &items[i + 1] : nullptr, cap, part, ws, part_acc, part_ml, merges,
+                   chain);
 #pragma omp barrier
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < num_merges; ++i)
-      merge_partials(a, merges[i], part_acc, part_ml, ws);
+    // every merge's rows, round robin: a single decode's one merge spreads over the threads too
+#pragma omp for schedule(static, 1)
+    for (int64_t i = 0; i < num_merge_rows; ++i)
+      merge_partials(a, merges[merge_rows[i].first], merge_rows[i].second, part_acc, part_ml, ws);
   }
 }
 
