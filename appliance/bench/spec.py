@@ -79,7 +79,7 @@ def run_requests(llm, prompts: list[list[int]], max_tokens: int, speculate: bool
 
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    first, last, counts = {}, {}, {}
+    first, last, counts, tokens = {}, {}, {}, {}
     # the target's step time by tokens scheduled (c=1: 1 is a plain decode step, 1 + k a verify
     # chunk): what a rejected draft costs is the verify step's time over the decode step's
     runner, step_times = eng.runner, {}
@@ -118,6 +118,7 @@ def run_requests(llm, prompts: list[list[int]], max_tokens: int, speculate: bool
                 if n and out.request_id not in first:
                     first[out.request_id] = now
                 last[out.request_id], counts[out.request_id] = now, n
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
     finally:
         del runner.execute  # the bound method again
         if draft_runner is not None:
@@ -125,7 +126,8 @@ def run_requests(llm, prompts: list[list[int]], max_tokens: int, speculate: bool
     wall = time.perf_counter() - t0
     rates = [(counts[r] - 1) / (last[r] - first[r]) for r in counts if counts[r] > 1 and last[r] > first[r]]
     res = {"decode_tok_s": statistics.mean(rates) if rates else 0.0,
-           "output_tok_s": sum(counts.values()) / wall, "wall_s": wall, "num_requests": len(prompts)}
+           "output_tok_s": sum(counts.values()) / wall, "wall_s": wall, "num_requests": len(prompts),
+           "token_ids": [tokens.get(f"b{i}", []) for i in range(len(prompts))]}
     if len(prompts) == 1:  # prompt chunks are larger than any verify chunk: 2..16 tokens are verify steps
         res["step_ms"] = {n: 1e3 * statistics.median(ts) for n, ts in sorted(step_times.items()) if n <= 16}
         # The decode at this run's own median step time per size (and the draft model's forwards):
@@ -138,6 +140,15 @@ def run_requests(llm, prompts: list[list[int]], max_tokens: int, speculate: bool
             decoded = sum(counts.values()) - 1
             res["step_model_speedup"] = decoded * med[1] / spent if spent else 0.0
     return res
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """Index of the first token where two outputs differ (the shorter one's length if one is a prefix
+    of the other), or -1 when they are the same."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return -1 if len(a) == len(b) else min(len(a), len(b))
 
 
 def spec_counters(llm) -> dict:
@@ -185,6 +196,7 @@ def run_bench(model: str | None, draft: str | None, settings: list[str], workloa
             for c in concurrency:
                 before = spec_counters(llm)
                 res = run_requests(llm, [ids] * c, max_tokens)
+                out_ids = res.pop("token_ids")
                 after = spec_counters(llm)
                 row = {"setting": setting, "workload": w, "concurrency": c, "prompt_tokens": len(ids), **res}
                 if after and c == 1:
@@ -195,6 +207,9 @@ def run_bench(model: str | None, draft: str | None, settings: list[str], workloa
                     plain = run_requests(llm, [ids] * c, max_tokens, speculate=False)
                     row["same_engine_plain_tok_s"] = plain["decode_tok_s"]
                     row["same_engine_speedup"] = res["decode_tok_s"] / plain["decode_tok_s"]
+                    # greedy: speculation must not change the text (issue 19); the first output token
+                    # where it does, or -1
+                    row["parts_from_plain_at"] = first_difference(out_ids[0], plain["token_ids"][0])
                 if after:
                     drafts = after["spec_decode_num_drafts"] - before.get("spec_decode_num_drafts", 0)
                     dt = after["spec_decode_num_draft_tokens"] - before.get("spec_decode_num_draft_tokens", 0)
@@ -308,6 +323,9 @@ def format_row(r: dict) -> str:
     if "same_engine_speedup" in r:
         model = f", step model {r['step_model_speedup']:.2f}x" if "step_model_speedup" in r else ""
         sp += f" (same engine {r['same_engine_speedup']:.2f}x{model})"
+    if "parts_from_plain_at" in r:
+        at = r["parts_from_plain_at"]
+        sp += "  text = plain" if at < 0 else f"  TEXT PARTS FROM PLAIN AT TOKEN {at}"
     steps = r.get("step_ms") or {}
     # the target's step time by tokens in the step, relative to a 1-token decode step
     cost = "  step " + " ".join(f"{n}:{t:.1f}ms" + (f"({t / steps[1]:.2f}x)" if n > 1 and 1 in steps else "")
