@@ -6,8 +6,9 @@ different greedy token within 100 tokens (bench/results/spec_native_quant.txt). 
 row a run computes for a position whose tokens are the final ones is compared, bit for bit, with the
 plainest run's (one request at a time, whole prompts, no speculation, no prefix cache).
 
-The model runs the native kernels: integer-GEMM methods (W4A8, W8A8: activations quantized per token,
-integer sums) and the native float GEMM, with the native attention."""
+The model runs the native kernels (native_layers): integer-GEMM methods (W4A8, W8A8: activations
+quantized per token, integer sums) and the native float GEMM, with the native attention, in whichever
+kernel variant the host (or APPLIANCE_KERNELS) selects."""
 from __future__ import annotations
 
 import pytest
@@ -61,7 +62,7 @@ def run(model, ids, cfg: dict, stagger=0):
 SETUPS = {
     "w4a8": dict(quantization="w4a8"),
     "w8a8": dict(quantization="w8a8"),
-    "float32_native": dict(linear_backend="native"),
+    "float32_native": dict(),
 }
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "cost_aware": False, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
@@ -106,11 +107,23 @@ def references(model_and_prompts):
 
 
 @pytest.fixture(autouse=True)
-def native_f32_at_every_size(monkeypatch):
-    """float32 layers on the native panel GEMM at every step size: by default a step of more than
-    NATIVE_F32_MAX_ROWS tokens (a prefill) takes torch's batched GEMM over the panels, which sums in
-    another order, so a prompt token's bits would depend on its chunk (see floating.py)."""
+def native_layers(monkeypatch, tmp_path):
+    """Every layer on the native kernels, whatever `auto` would time as fastest on this host (a float
+    lm_head beside quantized layers included; elsewhere torch's or oneDNN's GEMMs, which sum a row in
+    another order at other row counts), with the choices kept out of the host's cache; and float32
+    layers on the native panel GEMM at every step size: by default a step of more than
+    NATIVE_F32_MAX_ROWS tokens (a prefill) takes torch's batched GEMM over the panels (floating.py)."""
+    from appliance.layers import linear
     from appliance.layers.methods import floating
+
+    def native_first(m, key, cands, rows, prior):
+        for name in ("native", "w8a8_native", "w4a8_native"):
+            if name in cands:
+                return name, None
+        raise AssertionError(f"no native method among {cands} for {key}")
+
+    monkeypatch.setattr(linear, "_time_choice", native_first)
+    monkeypatch.setattr(linear, "_choice_cache_path", lambda: tmp_path / "linear_backends.json")
     monkeypatch.setattr(floating, "NATIVE_F32_MAX_ROWS", 1 << 20)
 
 
