@@ -50,18 +50,9 @@ def test_chunk_rows_equal_their_decode_steps(variant, cache_dtype):
             ctx = ctx0 + q_len
             nb = -(-ctx // BS)
             kc, vc, ks, vs = _cache(cache_dtype, nb, g)
-            bt = torch.arange(nb, dtype=torch.int32)[None]
             qdt = torch.bfloat16 if cache_dtype == torch.bfloat16 else torch.float32
             q = torch.randn(q_len, H, D, generator=g).to(qdt)
-            chunk = native.paged_attention(q, kc, vc, bt, torch.tensor([ctx], dtype=torch.int32),
-                                           torch.tensor([0, q_len], dtype=torch.int32), 0.125, q_len,
-                                           k_scale=ks, v_scale=vs)
-            for j in range(q_len):
-                one = native.paged_attention(q[j:j + 1].contiguous(), kc, vc, bt,
-                                             torch.tensor([ctx0 + j + 1], dtype=torch.int32),
-                                             torch.tensor([0, 1], dtype=torch.int32), 0.125, 1,
-                                             k_scale=ks, v_scale=vs)
-                assert torch.equal(chunk[j], one[0]), (variant, cache_dtype, ctx0, q_len, j)
+            _assert_rows_equal_decode(q, kc, vc, ctx0, ks, vs, 0, (variant, cache_dtype))
 
 
 def _attend(q, kc, vc, ctx, ks=None, vs=None, window=0):
@@ -70,6 +61,15 @@ def _attend(q, kc, vc, ctx, ks=None, vs=None, window=0):
     return native.paged_attention(q, kc, vc, bt, torch.tensor([ctx], dtype=torch.int32),
                                   torch.tensor([0, q.shape[0]], dtype=torch.int32), 0.125, q.shape[0],
                                   sliding_window=window, k_scale=ks, v_scale=vs)
+
+
+def _assert_rows_equal_decode(q, kc, vc, ctx0, ks, vs, window, tag):
+    """Each row j of the chunk q (its first query at position ctx0) equals, bit for bit, the one-query
+    call at position ctx0 + j over the same cache."""
+    chunk = _attend(q, kc, vc, ctx0 + q.shape[0], ks, vs, window)
+    for j in range(q.shape[0]):
+        one = _attend(q[j:j + 1].contiguous(), kc, vc, ctx0 + j + 1, ks, vs, window)
+        assert torch.equal(chunk[j], one[0]), (*tag, window, ctx0, q.shape[0], j)
 
 
 def _window(ctx0, kind):
@@ -97,10 +97,7 @@ def test_rows_equal_decode_across_partition_lengths(variant, cache_dtype, window
         w = _window(ctx0, window)
         kc, vc, ks, vs = _cache(cache_dtype, -(-ctx // BS), g)
         q = torch.randn(q_len, H, D, generator=g)
-        chunk = _attend(q, kc, vc, ctx, ks, vs, w)
-        for j in range(q_len):
-            one = _attend(q[j:j + 1].contiguous(), kc, vc, ctx0 + j + 1, ks, vs, w)
-            assert torch.equal(chunk[j], one[0]), (variant, cache_dtype, w, ctx0, j)
+        _assert_rows_equal_decode(q, kc, vc, ctx0, ks, vs, w, (variant, cache_dtype))
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn],
@@ -117,10 +114,7 @@ def test_prompt_rows_equal_decode_steps(variant, cache_dtype, window):
         kc, vc, ks, vs = _cache(cache_dtype, -(-ctx // BS), g)
         qdt = torch.bfloat16 if cache_dtype == torch.bfloat16 else torch.float32
         q = torch.randn(q_len, H, D, generator=g).to(qdt)
-        chunk = _attend(q, kc, vc, ctx, ks, vs, w)
-        for j in range(q_len):
-            one = _attend(q[j:j + 1].contiguous(), kc, vc, ctx0 + j + 1, ks, vs, w)
-            assert torch.equal(chunk[j], one[0]), (variant, cache_dtype, w, ctx0, q_len, j)
+        _assert_rows_equal_decode(q, kc, vc, ctx0, ks, vs, w, (variant, cache_dtype))
 
 
 def test_rows_equal_alone_and_in_a_batch(variant):
@@ -176,6 +170,5 @@ def test_rows_equal_at_any_thread_count(variant, tmp_path):
         subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, variant, str(path)], env=env, check=True,
                        timeout=300)
         results.append(torch.load(path))
-    for threads, res in zip((2,), results[1:]):
-        for i, (a, b) in enumerate(zip(results[0], res)):
-            assert torch.equal(a, b), (variant, threads, i)
+    for i, (one, two) in enumerate(zip(*results)):
+        assert torch.equal(one, two), (variant, i)

@@ -332,16 +332,19 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
   };
   const int scale_lines = (int)((2 * (int64_t)nh * BS * 4 + 63) / 64);
   const int block_lines = (int)(((int64_t)nh * tile * (int64_t)sizeof(KT) + 63) / 64);
-  // folds every row's state over the partition just walked into the running state, and starts anew
-  auto fold_rows = [&]() {
-    if (!folded)
-      for (int r = 0; r < M; ++r) m_run[r] = -std::numeric_limits<float>::infinity(), l_run[r] = 0.f;
-    folded = true;
+  // folds every row's state over the partition just walked into the running state (an empty one
+  // first when `fresh`)
+  auto fold_into_run = [&](bool fresh) {
     for (int r = 0; r < M; ++r) {
+      if (fresh) m_run[r] = -std::numeric_limits<float>::infinity(), l_run[r] = 0.f;
       fold_state(m_run + r, l_run + r, acc_run + (int64_t)r * D, m[r], l[r], acc + (int64_t)r * D, D);
-      m[r] = -std::numeric_limits<float>::infinity();
-      l[r] = 0.f;
     }
+  };
+  // ... and starts the next partition anew (a prefill item at a grid boundary)
+  auto fold_rows = [&]() {
+    fold_into_run(!folded);
+    folded = true;
+    for (int r = 0; r < M; ++r) m[r] = -std::numeric_limits<float>::infinity(), l[r] = 0.f;
     std::memset(acc, 0, sizeof(float) * (size_t)M * D);
   };
   for (int c = it.c0, cn; c < it.c1; c = cn) {
@@ -468,13 +471,8 @@ static void run_item(const AttentionArgs& a, const Item& it, const Item* next, i
     }
   } else if (it.pidx == 0 || (chain.merge == it.merge && chain.count == it.pidx)) {
     // partition 0 starts this thread's chain over the merge; the next partition continues it
-    if (it.pidx == 0) {
-      chain.merge = it.merge;
-      chain.count = 0;
-      for (int r = 0; r < M; ++r) m_run[r] = -std::numeric_limits<float>::infinity(), l_run[r] = 0.f;
-    }
-    for (int r = 0; r < M; ++r)
-      fold_state(m_run + r, l_run + r, acc_run + (int64_t)r * D, m[r], l[r], acc + (int64_t)r * D, D);
+    if (it.pidx == 0) chain.merge = it.merge, chain.count = 0;
+    fold_into_run(it.pidx == 0);
     ++chain.count;
     if (!next || next->merge != it.merge || next->pidx != chain.count) {  // the chain ends: store it
       const int64_t slot = merges[it.merge].first_partial;

@@ -79,7 +79,6 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 // quantized model's next int8 activation code with them: bench/results/spec_native_quant.txt).
 static inline float hsum_as4(__m256 a) { return _mm_cvtss_f32(hsum4(a, a, a, a)); }
 
-
 static inline void pack_q(const float*, int, int, void*) {}
 
 // R query rows of a GQA group share every K (or V) load from L1: fewer loads per FMA.
