@@ -204,7 +204,11 @@ def spec(
                                          "(-all: every proposed draft verified, no cost policy).")] = "none,ngram,draft",
     workloads: Annotated[str, Opt(help="Comma-separated: edit | code | chat.")] = "edit,code,chat",
     concurrency: Annotated[str, Opt(help="Comma-separated concurrency levels.")] = "1,16",
-    output_len: Annotated[int, Opt(help="Tokens per request (greedy, ignore_eos).")] = 128,
+    output_len: Annotated[int, Opt(help="Tokens per request at most (greedy): each ends at its end of turn.")] = 128,
+    ignore_eos: Annotated[bool, Opt("--ignore-eos/--no-ignore-eos",
+                                    help="Exactly --output-len tokens per request, past the model's end of turn "
+                                         "(the measure before 2026-12-05: text the model makes up after its "
+                                         "answer).")] = False,
     num_speculative_tokens: Annotated[int, Opt(help="Drafts per step (k).")] = 3,
     spec_arg: Annotated[Optional[list[str]], Opt("--spec-arg", help="A --speculative-config key as NAME=JSON for every "
                                                   "speculating setting, e.g. min_acceptance_rate=0 (repeatable).")]
@@ -248,7 +252,8 @@ def spec(
         rows = run_bench(model, None if draft == "truncate" else draft, names,
                          [w.strip() for w in workloads.split(",") if w.strip()], levels, output_len,
                          num_speculative_tokens, kw, log=lambda m: typer.echo(m, err=True),
-                         draft_quantization=draft_quantization, prompts_out=prompts, spec_extra=spec_extra)
+                         draft_quantization=draft_quantization, prompts_out=prompts, spec_extra=spec_extra,
+                         ignore_eos=ignore_eos)
         if llamacpp:
             import torch
 
@@ -257,7 +262,8 @@ def spec(
             draft_gguf = draft if draft and draft.lower().endswith(".gguf") else None
             rows += run_llamacpp(llamacpp_target_gguf(model, kw.get("quantization")), draft_gguf, prompts, output_len,
                                  num_speculative_tokens,
-                                 num_threads or torch.get_num_threads(), log=lambda m: typer.echo(m, err=True))
+                                 num_threads or torch.get_num_threads(), log=lambda m: typer.echo(m, err=True),
+                                 ignore_eos=ignore_eos)
     except ValueError as e:
         _fail(str(e))
     for r in rows:
@@ -266,7 +272,7 @@ def spec(
         typer.echo(line)
     if json_out is not None:
         rec = new_record("spec", dict(model=model, target=target, draft=draft, draft_quantization=draft_quantization,
-                                      output_len=output_len, spec_args=spec_extra,
+                                      output_len=output_len, ignore_eos=ignore_eos, spec_args=spec_extra,
                                       num_speculative_tokens=num_speculative_tokens, engine=kw), {"rows": rows})
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(rec, indent=2) + "\n")

@@ -190,11 +190,13 @@ def _http_json(url: str, body: dict | None = None, timeout: float = 600) -> tupl
 
 def llama_server_run(model: str | os.PathLike, threads: int, prompts: list[list[int]], gen_len: int,
                      parallel: int = 4, ctx: int = 4096, timeout: float = 600,
-                     version: str = LLAMA_CPP_PYTHON_VERSION, extra_args: list[str] | None = None) -> dict:
+                     version: str = LLAMA_CPP_PYTHON_VERSION, extra_args: list[str] | None = None,
+                     ignore_eos: bool = True) -> dict:
     """Start ``llama-server -m MODEL -t T -np PARALLEL -c CTX``, time it until ``/health`` answers 200
     (process start to ready: the load time), read its RSS (psutil), then send each prompt (token
-    ids) alone to ``/completion`` (greedy, ``ignore_eos``, ``n_predict=gen_len``, no prompt cache)
-    and keep the server's own ``timings`` (prompt_per_second, predicted_per_second)."""
+    ids) alone to ``/completion`` (greedy, ``n_predict=gen_len``, no prompt cache; ``ignore_eos``:
+    exactly gen_len tokens, else it ends at its end of turn) and keep the server's own ``timings``
+    (prompt_per_second, predicted_per_second)."""
     import time
 
     import psutil
@@ -231,7 +233,7 @@ def llama_server_run(model: str | os.PathLike, threads: int, prompts: list[list[
             for ids in prompts:
                 t = time.perf_counter()
                 code, out = _http_json(f"http://127.0.0.1:{port}/completion",
-                                       {"prompt": ids, "n_predict": gen_len, "ignore_eos": True, "temperature": 0,
+                                       {"prompt": ids, "n_predict": gen_len, "ignore_eos": ignore_eos, "temperature": 0,
                                         "cache_prompt": False}, timeout=timeout)
                 if code != 200:
                     raise RuntimeError(f"llama-server /completion answered {code}; see {log}")

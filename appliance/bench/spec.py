@@ -5,7 +5,11 @@ concurrency 1 and 16, plus each setting's acceptance rate and mean accepted leng
 
 Decode tok/s per request is (output tokens - 1) / (time of the last token - time of the first), so
 the prompt's prefill is not in it; at concurrency C the figure is the mean over requests and the
-aggregate is all output tokens over the wall time. Greedy, so every setting emits the same tokens.
+aggregate is all output tokens over the wall time. A request ends at its end of turn (EOS), at most
+``max_tokens``, as a user's would: SmolLM2-135M's rewrite in the edit workload ends after ~70 tokens,
+and with ``ignore_eos`` (every run before 2026-12-05 16:00 UTC) the rest of its 128 tokens was a
+conversation turn the model made up after its own (``<|im_end|><|im_start|>user\nI am a
+30-year-old...``): open-ended text counted as "edit". ``--ignore-eos`` keeps that measure. Greedy, so every setting emits the same tokens.
 At concurrency 1 each row also gives the target's step time by tokens in the step (``step_ms``: 1 is
 a decode step, 2..k+1 a verify chunk), so what a rejected draft costs is on the same line.
 
@@ -71,14 +75,16 @@ def prompt_ids(llm, workload: str) -> list[int]:
     return tok.encode(w[0]["content"])
 
 
-def run_requests(llm, prompts: list[list[int]], max_tokens: int, speculate: bool = True) -> dict:
+def run_requests(llm, prompts: list[list[int]], max_tokens: int, speculate: bool = True,
+                 ignore_eos: bool = False) -> dict:
     """All prompts at once through the engine, stepped by hand; per-request decode rates.
     ``speculate`` False: the requests decode without drafts in this speculating engine (as
-    structured-output requests do), the baseline on the same loaded weights."""
+    structured-output requests do), the baseline on the same loaded weights. ``ignore_eos``: exactly
+    ``max_tokens`` each, past the end of the model's turn."""
     from appliance import SamplingParams
 
     eng = llm.engine
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     first, last, counts, tokens = {}, {}, {}, {}
     # the target's step time by tokens scheduled (c=1: 1 is a plain decode step, 1 + k a verify
     # chunk): what a rejected draft costs is the verify step's time over the decode step's
@@ -127,6 +133,7 @@ def run_requests(llm, prompts: list[list[int]], max_tokens: int, speculate: bool
     rates = [(counts[r] - 1) / (last[r] - first[r]) for r in counts if counts[r] > 1 and last[r] > first[r]]
     res = {"decode_tok_s": statistics.mean(rates) if rates else 0.0,
            "output_tok_s": sum(counts.values()) / wall, "wall_s": wall, "num_requests": len(prompts),
+           "output_tokens": statistics.mean(counts.values()) if counts else 0,
            "token_ids": [tokens.get(f"b{i}", []) for i in range(len(prompts))]}
     if len(prompts) == 1:  # prompt chunks are larger than any verify chunk: 2..16 tokens are verify steps
         res["step_ms"] = {n: 1e3 * statistics.median(ts) for n, ts in sorted(step_times.items()) if n <= 16}
@@ -159,11 +166,12 @@ def spec_counters(llm) -> dict:
 def run_bench(model: str | None, draft: str | None, settings: list[str], workloads: list[str],
               concurrency: list[int], max_tokens: int, k: int, engine_kwargs: dict, log=print,
               draft_quantization: str | None = None, prompts_out: dict | None = None,
-              spec_extra: dict | None = None) -> list[dict]:
-    """One row per (setting, workload, concurrency). ``settings``: none | ngram | draft, and
-    ngram-all | draft-all: every proposed draft verified (``cost_aware`` false), against the default
-    that verifies only the drafts that pay for their share of the step. ``spec_extra``: further
-    speculative_config keys for every speculating setting."""
+              spec_extra: dict | None = None, ignore_eos: bool = False) -> list[dict]:
+    """One row per (setting, workload, concurrency); each request ends at its end of turn (at most
+    ``max_tokens``), or with ``ignore_eos`` after exactly ``max_tokens``. ``settings``: none | ngram |
+    draft, and ngram-all | draft-all: every proposed draft verified (``cost_aware`` false), against
+    the default that verifies only the drafts that pay for their share of the step. ``spec_extra``:
+    further speculative_config keys for every speculating setting."""
     from appliance import LLM
 
     rows = []
@@ -188,14 +196,14 @@ def run_bench(model: str | None, draft: str | None, settings: list[str], workloa
             kw["speculative_config"]["cost_aware"] = False
         llm = LLM(model, **kw)
         ref_tokens = {}
-        run_requests(llm, [prompt_ids(llm, workloads[0])], 4)  # warm-up: first calls of each shape are slow
+        run_requests(llm, [prompt_ids(llm, workloads[0])], 4, ignore_eos=True)  # warm-up: first calls of each shape are slow
         for w in workloads:
             ids = prompt_ids(llm, w)
             if prompts_out is not None:
                 prompts_out[w] = ids
             for c in concurrency:
                 before = spec_counters(llm)
-                res = run_requests(llm, [ids] * c, max_tokens)
+                res = run_requests(llm, [ids] * c, max_tokens, ignore_eos=ignore_eos)
                 out_ids = res.pop("token_ids")
                 after = spec_counters(llm)
                 row = {"setting": setting, "workload": w, "concurrency": c, "prompt_tokens": len(ids), **res}
@@ -204,7 +212,7 @@ def run_bench(model: str | None, draft: str | None, settings: list[str], workloa
                     # free of what separates two engine loads: the plain decode step of one load differs
                     # from another's by more than speculation gains on open-ended text
                     # (bench/results/spec_0.5b.txt).
-                    plain = run_requests(llm, [ids] * c, max_tokens, speculate=False)
+                    plain = run_requests(llm, [ids] * c, max_tokens, speculate=False, ignore_eos=ignore_eos)
                     row["same_engine_plain_tok_s"] = plain["decode_tok_s"]
                     row["same_engine_speedup"] = res["decode_tok_s"] / plain["decode_tok_s"]
                     # greedy: speculation must not change the text (issue 19); the first output token
@@ -234,7 +242,7 @@ LLAMACPP_NGRAM_N = 3
 
 
 def run_llamacpp(target_gguf: str, draft_gguf: str | None, prompts: dict[str, list[int]], max_tokens: int,
-                 k: int, threads: int, log=print, ngram: bool = True) -> list[dict]:
+                 k: int, threads: int, log=print, ngram: bool = True, ignore_eos: bool = False) -> list[dict]:
     """llama.cpp's llama-server at batch 1 (``-np 1``) on the same prompts (token ids), greedy,
     without speculation, with its own n-gram lookup (``ngram``: ``--spec-type ngram-simple``, N =
     LLAMACPP_NGRAM_N, K drafted) and (``draft_gguf``) with its draft model (``--spec-type
@@ -259,11 +267,12 @@ def run_llamacpp(target_gguf: str, draft_gguf: str | None, prompts: dict[str, li
     names = list(prompts)
     for setting, extra in setups:
         res = llamacpp.llama_server_run(target_gguf, threads, [prompts[w] for w in names], max_tokens, parallel=1,
-                                        extra_args=extra)
+                                        extra_args=extra, ignore_eos=ignore_eos)
         for w, run in zip(names, res["runs"]):
             row = {"setting": setting, "workload": w, "concurrency": 1, "prompt_tokens": len(prompts[w]),
                    "decode_tok_s": run["predicted_per_second"] or 0.0, "output_tok_s": (run["predicted_n"] or 0)
-                   / run["wall_s"], "wall_s": run["wall_s"], "num_requests": 1, "command": res["command"]}
+                   / run["wall_s"], "wall_s": run["wall_s"], "num_requests": 1, "command": res["command"],
+                   "output_tokens": run["predicted_n"] or 0}
             if run.get("draft_n"):
                 row.update(acceptance_rate=run["draft_n_accepted"] / run["draft_n"])
             rows.append(row)
@@ -330,7 +339,9 @@ def format_row(r: dict) -> str:
     # the target's step time by tokens in the step, relative to a 1-token decode step
     cost = "  step " + " ".join(f"{n}:{t:.1f}ms" + (f"({t / steps[1]:.2f}x)" if n > 1 and 1 in steps else "")
                                 for n, t in steps.items()) if steps else ""
-    return (f"{r['setting']:15} {r['workload']:5} c={r['concurrency']:<3} decode {r['decode_tok_s']:8.1f} tok/s/req  "
+    # tokens per request: where the model ended its turn, or max_tokens (ignore_eos)
+    out = f"{r['output_tokens']:4.0f} tok  " if "output_tokens" in r else ""
+    return (f"{r['setting']:15} {r['workload']:5} c={r['concurrency']:<3} {out}decode {r['decode_tok_s']:8.1f} tok/s/req  "
             f"aggregate {r['output_tok_s']:8.1f} tok/s  acceptance {acc:>5}  mean accepted length {mal:>5} {sp}{cost}")
 
 

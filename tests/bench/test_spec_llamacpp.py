@@ -22,7 +22,8 @@ def test_native_quant_target_is_the_gguf_itself(tmp_path):
 def test_settings_and_their_server_arguments(monkeypatch):
     calls = []
 
-    def fake_run(model, threads, prompts, gen_len, parallel, extra_args):
+    def fake_run(model, threads, prompts, gen_len, parallel, extra_args, ignore_eos):
+        assert not ignore_eos  # each request ends at its end of turn, as the appliance's do
         calls.append((model, threads, parallel, list(extra_args)))
         spec = "--spec-type" in extra_args
         return {"command": ["llama-server", *extra_args],
