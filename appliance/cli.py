@@ -73,6 +73,10 @@ def serve(
     attention_backend: Annotated[Optional[str], Opt(help="auto | native | reference | cuda (Triton kernels).")] = None,
     linear_backend: Annotated[Optional[str], Opt(
         help="auto (measured per shape) | torch | onednn | native | native_bf16 (bfloat16 models) | w8a8_onednn | w8a8_native | w8a16_int8pack | w4a8_dynquant | w4a16_int4pack.")] = None,
+    batch_invariant: Annotated[Optional[bool], Opt(
+        "--batch-invariant/--no-batch-invariant",
+        help="A request's logits are the same bits however it is batched, chunked or cached (row-invariant "
+             "linear methods at every step size, native ops; CPU, one rank). Also VLLM_BATCH_INVARIANT=1.")] = None,
     quantization: Annotated[Optional[str], Opt(help="Quantize a float checkpoint at load: none | w8a8 | w4a8; gguf: a GGUF's projections as the file stores them.")] = None,
     quant_group_size: Annotated[Optional[int], Opt(help="W4 group size along the input dimension.")] = None,
     long_prefill_token_threshold: Annotated[Optional[int], Opt(
@@ -182,6 +186,7 @@ def serve(
         # a server streams: protect running decodes unless told otherwise (the offline LLM defaults off)
         itl_target=a.itl_target if a.itl_target is not None else os.environ.get("APPLIANCE_ITL_TARGET", "auto"),
         linear_backend=a.linear_backend, quantization=a.quantization, quant_group_size=a.quant_group_size,
+        batch_invariant=a.batch_invariant,
         num_threads=a.num_threads, seed=a.seed, allocator=a.allocator,
         omp_threads_bind=a.omp_threads_bind, runner=a.runner, pooler_config=a.pooler_config,
         speculative_config=a.speculative_config,

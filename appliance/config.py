@@ -57,6 +57,11 @@ class EngineConfig:
     itl_target: str = "off"
     attention_backend: str = "auto"
     linear_backend: str = "auto"
+    # --batch-invariant (vLLM's VLLM_BATCH_INVARIANT): a request's logits are the same bits whatever
+    # else the step holds and however the engine splits its tokens into steps (batching, chunked
+    # prefill, prefix cache, preemption, speculative verify chunks): row-invariant linear methods at
+    # every step size and the native ops; CPU only
+    batch_invariant: bool = False
     quantization: str = "none"  # quantize a float checkpoint at load (pre-quantized ones say so themselves)
     quant_group_size: int = 32  # W4 group size along the input dimension (W8 is per channel)
     seed: int = 0
@@ -133,6 +138,17 @@ class EngineConfig:
             raise InvalidRequestError(str(e), "itl_target") from None
         if self.device not in DEVICES:
             raise InvalidRequestError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}", "device")
+        if self.batch_invariant and (self.device == "cuda" or self.attention_backend in ("reference", "cuda")):
+            raise InvalidRequestError(
+                "batch_invariant needs the CPU's native kernels (the CUDA backend and the reference ops block "
+                f"their work by the batch); got device={self.device!r}, attention_backend="
+                f"{self.attention_backend!r}", "batch_invariant")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            # not shown yet: the all-reduce's summation order across more than two ranks (gloo splits
+            # the message by its size)
+            raise InvalidRequestError(
+                f"batch_invariant runs with tensor_parallel_size 1 only (not yet tested sharded); got "
+                f"{self.tensor_parallel_size}", "batch_invariant")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidRequestError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}", "gpu_memory_utilization")

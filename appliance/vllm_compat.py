@@ -125,6 +125,7 @@ VLLM_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": ("kv_cache_memory", "--kv-cache-memory (GiB) / APPLIANCE_KV_CACHE_MEMORY"),
     "VLLM_CPU_OMP_THREADS_BIND": ("omp_threads_bind", "--omp-threads-bind / APPLIANCE_OMP_THREADS_BIND"),
     "VLLM_CPU_NUM_OF_RESERVED_CPU": ("num_threads", "--num-threads (threads = bound cores - reserved)"),
+    "VLLM_BATCH_INVARIANT": ("batch_invariant", "--batch-invariant / APPLIANCE_BATCH_INVARIANT"),
 }
 
 
@@ -137,6 +138,11 @@ def vllm_env_engine_kwargs(given: dict, environ=None) -> dict:
     def unset(name: str) -> bool:
         return given.get(name) is None and f"APPLIANCE_{name.upper()}" not in env
 
+    invariant = env.get("VLLM_BATCH_INVARIANT")
+    if invariant is not None and unset("batch_invariant"):
+        if invariant.strip() not in ("0", "1"):
+            raise ApplianceError(f"VLLM_BATCH_INVARIANT must be 0 or 1, got {invariant!r}")
+        out["batch_invariant"] = invariant.strip() == "1"
     space = env.get("VLLM_CPU_KVCACHE_SPACE")
     if space and unset("kv_cache_memory"):
         try:

@@ -146,6 +146,47 @@ def drive_engine(engine, ids, params, stagger: int = 0, order=None, after_step=N
     return [done[i] for i in range(len(ids))]
 
 
+def capture_logits(engine) -> dict:
+    """Wraps the runner: {(request id, position): [(input tokens up to it, logits row), ...]}, every
+    logits row a step computes (a prompt's last token, a decode's, each speculative draft's)."""
+    rows: dict = {}
+    execute = engine.runner.execute
+
+    def hooked(sched, *a, **kw):
+        plan = []
+        for req, n in sched.scheduled:
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            tokens = list(req.all_token_ids[:end]) + list(req.spec_token_ids[:max(0, end - req.num_tokens)])
+            num_spec = end - req.num_tokens
+            if num_spec > 0:
+                plan += [(req.request_id, p, tuple(tokens[:p + 1])) for p in range(end - 1 - num_spec, end)]
+            elif end == req.num_tokens:
+                plan.append((req.request_id, end - 1, tuple(tokens)))
+        logits, extra = execute(sched, *a, **kw)
+        if logits is not None:
+            assert logits.shape[0] == len(plan)
+            for (rid, p, toks), row in zip(plan, logits):
+                rows.setdefault((rid, p), []).append((toks, row.clone()))
+        return logits, extra
+
+    engine.runner.execute = hooked
+    return rows
+
+
+def run_capturing_logits(model, ids, params, cfg: dict, stagger: int = 0):
+    """An engine of ``cfg`` on ``model`` through ``drive_engine``: (outputs, {(request id, position):
+    [logits rows]}) with only the rows computed on the final tokens (a rejected draft's later rows saw
+    other tokens)."""
+    from appliance.config import EngineConfig
+    from appliance.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(model), **cfg))
+    rows = capture_logits(engine)
+    outs = drive_engine(engine, ids, params, stagger)
+    final = {str(i): tuple(ids[i]) + tuple(outs[i]) for i in range(len(ids))}
+    return outs, {k: [r for toks, r in v if toks == final[k[0]][:len(toks)]] for k, v in rows.items()}
+
+
 def kquant_reference(x: torch.Tensor, qweight: torch.Tensor, t: dict) -> torch.Tensor:
     """fp64 reference of the kernel's math on the file's weights: the activations quantized per token
     (``quant_act_asym``) meet ``d sc q``; the offset ``d sc shift - dmin mn`` meets the float

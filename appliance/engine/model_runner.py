@@ -49,13 +49,23 @@ class ModelRunner:
         self.model = load_model(info, dtype, device, config.quantization, config.quant_group_size,
                                 config.linear_backend)
         self.ops = get_ops(config.attention_backend, device.type)
+        if config.batch_invariant and not getattr(self.ops, "ROW_INVARIANT", False):
+            raise InvalidRequestError(
+                f"batch_invariant needs the native kernels (row-invariant attention); this engine runs the "
+                f"{self.ops.__name__.rsplit('.', 1)[-1]} ops (attention_backend={config.attention_backend!r} on "
+                f"{device.type}; build the extension: python -m appliance.ops.native --build)", "batch_invariant")
         self.model.prepare(max_model_len, device)
         # Speculative decoding verifies 1 + k tokens per step at batch 1. A backend chosen at 1 row
         # alone can cost twice as much there (torch's sgemm at 4 rows of a 576-wide layer: 1.7-2.4x
         # its 1-row time, the prepacked native panels 1.0x), which ate the gain of accepted drafts.
         verify_rows = ((1 + parse_speculative_config(config.speculative_config).num_speculative_tokens,)
                        if config.speculative_config else ())
-        self.linear_backends = select_backends(self.model, config.linear_backend, dtype, device, verify_rows)
+        self.linear_backends = select_backends(self.model, config.linear_backend, dtype, device, verify_rows,
+                                               batch_invariant=config.batch_invariant)
+        if config.batch_invariant:  # float projections that are not linear layers (the MoE router)
+            for m in self.model.modules():
+                if hasattr(m, "make_row_invariant"):
+                    m.make_row_invariant()
         release_free_memory()  # the checkpoint forms that packing freed
         # layer group (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head) -> backends it uses
         groups: dict[str, set] = {}

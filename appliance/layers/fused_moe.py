@@ -37,6 +37,24 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool,
     return weights, ids
 
 
+def row_invariant_linear(weight: torch.Tensor):
+    """``x -> x @ weight.T`` with each row's result the same bits at every row count (--batch-invariant):
+    the native float panel GEMM of the weight's dtype at every size, for the float projections that
+    are not linear layers (the MoE router, the shared expert's gate). torch's GEMM picks its kernel and
+    blocking by the row count: the router's logits, and so a token's expert weights, moved in the last
+    bit with the step's size."""
+    from appliance.errors import InvalidRequestError
+    from appliance.layers import methods
+
+    method = methods.get("native_bf16" if weight.dtype == torch.bfloat16 else "native")
+    problem = method.host_problem(weight.dtype, weight.device)
+    if problem is not None:
+        raise InvalidRequestError(f"batch_invariant: the MoE router's {weight.dtype} weight has no row-invariant "
+                                  f"GEMM here: {problem}", "batch_invariant")
+    p = method.row_invariant_pack(method.pack(weight, None))
+    return lambda x: method.apply(p, x)
+
+
 class Router(nn.Module):
     """The gate: ``[E, hidden]`` float weight, kept float (never quantized: a quantized router
     could pick other experts than the checkpoint's)."""
@@ -47,10 +65,14 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
         self.top_k, self.renormalize = top_k, renormalize
         self.weights_in_logits_dtype = weights_in_logits_dtype
+        self.linear = None  # --batch-invariant: row_invariant_linear of the weight (make_row_invariant)
+
+    def make_row_invariant(self) -> None:
+        self.linear = row_invariant_linear(self.weight)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x ``[T, hidden]`` -> (logits ``[T, E]``, weights ``[T, top_k]``, expert ids ``[T, top_k]``)."""
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, self.weight) if self.linear is None else self.linear(x)
         weights, ids = route(logits, self.top_k, self.renormalize, self.weights_in_logits_dtype)
         return logits, weights, ids
 

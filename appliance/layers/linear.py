@@ -387,8 +387,11 @@ def _choice_cache_path():
 
 
 def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device: torch.device,
-                    extra_rows: tuple[int, ...] = ()) -> dict[str, str]:
+                    extra_rows: tuple[int, ...] = (), batch_invariant: bool = False) -> dict[str, str]:
     """Give every linear layer of ``model`` a backend; returns ``{shape key: backend}`` for the banner/doctor.
+
+    ``batch_invariant`` (--batch-invariant): only ``row_invariant`` methods, packed for it (a row's
+    output the same bits at every step size); a layer none of them can run is refused.
 
     ``extra_rows``: batch sizes timed besides ``_PROBE_ROWS`` (speculative decoding's 1 + k verify
     chunk; its choices are cached apart from the plain ones).
@@ -401,6 +404,10 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
         raise InvalidRequestError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}; got {requested!r}",
                                   "linear_backend")
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    if batch_invariant and requested != "auto" and not methods.get(requested).row_invariant:
+        raise InvalidRequestError(f"linear_backend={requested} is not row-invariant (another row count takes "
+                                  f"another path through it): batch_invariant takes auto or one of "
+                                  f"{', '.join(_row_invariant_names())}", "linear_backend")
     if requested != "auto" and layers and not any(requested in m.candidates(dtype, device) for m in layers):
         kinds = sorted({getattr(m, "scheme", "float") for m in layers})
         available = sorted({c for m in layers for c in m.candidates(dtype, device)})
@@ -425,6 +432,14 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
         cands = m.candidates(dtype, device)
         if not cands:
             raise ValueError(f"no linear backend can run layer {key} with dtype {dtype} on {device}")
+        if batch_invariant:
+            allowed = [c for c in cands if methods.get(c).row_invariant]
+            if not allowed:
+                raise InvalidRequestError(
+                    f"batch_invariant: no row-invariant linear method runs layer {key} (dtype {dtype}) on this "
+                    f"host; its methods here: {', '.join(cands)}; row-invariant ones: "
+                    f"{', '.join(_row_invariant_names())}", "batch_invariant")
+            cands = allowed
         # layers of one shape whose stored formats differ (a GGUF mix: a q/k/v holding a Q8_0 v beside
         # all-Q5_0 ones) have other candidates: each candidate set is chosen on its own
         key = f"{key}|{'+'.join(sorted(map(_candidate_tag, cands)))}"
@@ -480,6 +495,13 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
             log.warning("could not save linear backend choices to %s: %s", path, e)
     for m in layers:
         m.set_backend(chosen[id(m)])
+        if batch_invariant:
+            packed = m.method.row_invariant_pack(m.packed)
+            if packed is None:
+                raise InvalidRequestError(
+                    f"batch_invariant: layer {m.shape_key} on {m.backend} is not row-invariant as this checkpoint "
+                    f"stores it (its zero points are added by a GEMM that blocks by the row count)", "batch_invariant")
+            m.packed = packed
     # {"KxN": backend} for float layers, {"w8a8 KxN": backend} for quantized ones, " rows 1,2,16" appended
     # where a layer is chosen at its own batch sizes (experts); layers of one shape chosen differently
     # (their candidate sets differ) are listed apart, each with its backends in brackets
@@ -491,6 +513,10 @@ def select_backends(model: nn.Module, requested: str, dtype: torch.dtype, device
             name += f" [{'+'.join(sorted(m.candidates(dtype, device)))}]"
         report[name] = chosen[id(m)]
     return report
+
+
+def _row_invariant_names() -> list[str]:
+    return [n for n, m in methods.REGISTRY.items() if m.row_invariant]
 
 
 def _candidate_tag(name: str) -> str:

@@ -363,8 +363,10 @@ def cached_fused_plan(model: nn.Module):
     if plan is None or plan[0] != key:
         scales = _fused_kv_scales(ops, ctx.kv_caches, ctx.kv_scales)
         built = None if scales is None else model._build_fused_plan(ctx.kv_caches)
-        native_f32 = built is not None and any(m.backend == "native" for i in range(len(model.model.layers))
-                                               for m in model._linears(i))
+        # a native float layer that leaves prefill-sized steps to torch's batched GEMM (not one packed
+        # for every size by --batch-invariant)
+        native_f32 = built is not None and any(m.backend == "native" and not m.packed.get("every_size")
+                                               for i in range(len(model.model.layers)) for m in model._linears(i))
         plan = (key, built, scales, native_f32)
         model.__dict__["_fused_plan"] = plan
     if plan[1] is None:

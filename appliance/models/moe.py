@@ -23,7 +23,7 @@ from torch import nn
 from appliance.distributed.parallel_state import get_tp_group
 from appliance.errors import ModelLoadError
 from appliance.layers.forward_context import current_ops
-from appliance.layers.fused_moe import Router, grouped_experts, native_plan
+from appliance.layers.fused_moe import Router, grouped_experts, native_plan, row_invariant_linear
 from appliance.layers.linear import share_of_probe_rows
 from appliance.models import llama
 from appliance.models.llama import LlamaConfig, LlamaForCausalLM, MLP
@@ -108,6 +108,11 @@ class ExpertMLP(MLP):
         super().__init__(dataclasses.replace(cfg, intermediate_size=intermediate), down_tp="row_partial")
 
 
+# --batch-invariant's shared expert gate: columns computed (all equal), so that the sigmoid over them
+# takes whole vectors on every ISA (two of torch's widest float vectors)
+SHARED_GATE_WIDTH = 32
+
+
 class SparseMoeBlock(nn.Module):
     """Router + experts (+ Qwen2-MoE's shared expert, scaled by ``sigmoid(shared_expert_gate(x))``).
 
@@ -128,6 +133,7 @@ class SparseMoeBlock(nn.Module):
             # a [1, hidden] float gate (like the router, never quantized)
             self.shared_expert_gate = nn.Module()
             self.shared_expert_gate.weight = nn.Parameter(torch.empty(1, cfg.hidden_size), requires_grad=False)
+        self.shared_gate_linear = None  # --batch-invariant (make_row_invariant)
         self.native_calls = 0  # forwards run by ops.moe_experts (which path ran, for tests and benchmarks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,11 +141,25 @@ class SparseMoeBlock(nn.Module):
         run = self._native_experts()
         out = run(x, ids, weights) if run is not None else grouped_experts(x, ids, weights, self.experts)
         if self.shared_expert is not None:
-            g = torch.sigmoid(torch.nn.functional.linear(x, self.shared_expert_gate.weight))
+            if self.shared_gate_linear is None:
+                g = torch.sigmoid(torch.nn.functional.linear(x, self.shared_expert_gate.weight))
+            else:
+                g = torch.sigmoid(self.shared_gate_linear(x))[:, :1]
             out = out + g * self.shared_expert(x)
         if self.tp_group.is_parallel:
             out = self.tp_group.communicator.all_reduce_(out)
         return out
+
+    def make_row_invariant(self) -> None:
+        """--batch-invariant: the shared expert's gate on a row-invariant GEMM (the router is a module
+        of its own; the experts' projections are linear layers, chosen by select_backends)."""
+        if self.shared_expert is not None:
+            # the gate's one column 32 times: torch's sigmoid over a [T, 1] tensor runs its vector loop
+            # over the first rows and a scalar tail (whose exp differs in the last bit) over the rows
+            # past its last whole pair of vectors, so a row's gate depended on T; 32 wide, every row is
+            # whole vectors on every ISA
+            w = self.shared_expert_gate.weight
+            self.shared_gate_linear = row_invariant_linear(w.expand(SHARED_GATE_WIDTH, -1).contiguous())
 
     def _native_experts(self):
         """The experts as one native call per step (``ops.native.moe_experts``), or None: only with the

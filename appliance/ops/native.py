@@ -46,6 +46,10 @@ PAGED_PREFILL = True
 # APPLIANCE_FUSED_LAYERS=0 sets it False in every process that imports this module, tensor-parallel
 # workers included (they inherit the environment): how benchmarks and tests compare the paths under TP.
 FUSED_LAYERS = os.environ.get("APPLIANCE_FUSED_LAYERS", "1") != "0"
+# A row's attention output and its norms are the same bits whatever else the call holds (the
+# attention's partitions and softmax chunks lie on fixed grids, tests/ops/test_attention_row_invariance.py):
+# what --batch-invariant needs from the ops (the other ops modules do not say so).
+ROW_INVARIANT = True
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 # KV cache storage the kernels read and write: the float dtypes, and one byte per element with
 # per-row float32 scales (reference.quantize_kv)

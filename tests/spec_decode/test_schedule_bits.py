@@ -15,48 +15,14 @@ import pytest
 import torch
 
 from appliance import SamplingParams
-from appliance.config import EngineConfig
-from appliance.engine.llm_engine import LLMEngine
-from helpers import drive_engine
+from helpers import run_capturing_logits
 
 REPEAT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France. " * 3
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def capture_logits(engine: LLMEngine) -> dict:
-    """Wraps the runner: {(request id, position): [logits row, ...]} for rows whose input tokens up to
-    that position were (request id, tokens) -> checked against the final text afterwards."""
-    rows: dict = {}
-    execute = engine.runner.execute
-
-    def hooked(sched, *a, **kw):
-        plan = []
-        for req, n in sched.scheduled:
-            start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            tokens = list(req.all_token_ids[:end]) + list(req.spec_token_ids[:max(0, end - req.num_tokens)])
-            num_spec = end - req.num_tokens
-            if num_spec > 0:
-                plan += [(req.request_id, p, tuple(tokens[:p + 1])) for p in range(end - 1 - num_spec, end)]
-            elif end == req.num_tokens:
-                plan.append((req.request_id, end - 1, tuple(tokens)))
-        logits, extra = execute(sched, *a, **kw)
-        if logits is not None:
-            assert logits.shape[0] == len(plan)
-            for (rid, p, toks), row in zip(plan, logits):
-                rows.setdefault((rid, p), []).append((toks, row.clone()))
-        return logits, extra
-
-    engine.runner.execute = hooked
-    return rows
-
-
 def run(model, ids, cfg: dict, stagger=0):
-    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", **cfg))
-    rows = capture_logits(engine)
-    outs = drive_engine(engine, ids, GREEDY, stagger)
-    final = {str(i): tuple(ids[i]) + tuple(outs[i]) for i in range(len(ids))}
-    # only rows computed on the final tokens (a rejected draft's later rows saw other tokens)
-    return outs, {k: [r for toks, r in v if toks == final[k[0]][:len(toks)]] for k, v in rows.items()}
+    return run_capturing_logits(model, ids, GREEDY, {"dtype": "float32", **cfg}, stagger)
 
 
 SETUPS = {

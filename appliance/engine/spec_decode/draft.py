@@ -74,7 +74,10 @@ class DraftModelProposer:
         quant = spec.quantization if spec.quantization is not None else config.quantization
         if quant == "gguf" and not (path.is_file() and path.suffix.lower() == ".gguf"):
             quant = "none"
-        draft_config = config.replace(model=str(path), num_kv_blocks=target_runner.num_blocks, quantization=quant)
+        # the draft's proposals only decide how many tokens a step verifies, never which (--batch-invariant
+        # is the target's: the draft keeps its fastest methods)
+        draft_config = config.replace(model=str(path), num_kv_blocks=target_runner.num_blocks, quantization=quant,
+                                      batch_invariant=False)
         try:
             self.runner = ModelRunner(draft_config, info, target_runner.dtype, max_model_len, target_runner.device)
         except InvalidRequestError as e:

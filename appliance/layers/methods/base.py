@@ -44,6 +44,10 @@ class LinearMethod:
     # Raised when what the method runs changes its speed (a new path for some batch sizes): backend
     # choices cached with an older revision among the candidates are timed anew (select_backends).
     revision: int = 0
+    # Whether a row's output is the same bits whatever the other rows are and however many there are
+    # (after ``row_invariant_pack``): the methods --batch-invariant allows. Integer sums of per-row
+    # quantized activations are; a GEMM library that picks its blocking by the row count is not.
+    row_invariant: bool = False
 
     def host_problem(self, dtype: torch.dtype = torch.float32,
                      device: torch.device = torch.device("cpu")) -> str | None:
@@ -65,6 +69,11 @@ class LinearMethod:
     def reference(self, x: torch.Tensor, *weights) -> torch.Tensor:
         """The fp64 result of the math ``apply`` performs (what it is tested against)."""
         raise NotImplementedError
+
+    def row_invariant_pack(self, p: dict) -> dict | None:
+        """``p`` for --batch-invariant: the method's paths that another row count would take are
+        given up (a ``row_invariant`` method's only); None when this layer's packing cannot be."""
+        return p
 
     def fused_descriptor(self, p: dict, silu_mul_next: bool) -> FusedLinear | None:
         """How the one-call decoder stack applies a layer packed as ``p`` (``silu_mul_next``: the

@@ -171,6 +171,17 @@ class NativeLinear(FloatMethod):
     # 3: a row block's passes share the next panel's prefetch, 4 rows as 2 + 2 on AVX2, the kernel up
     # to 64 rows on x86-64
     revision = 3
+    # each output is one k-ordered FMA chain of its row, however the kernel blocks the rows; with the
+    # panel kernel at every size (row_invariant_pack), not torch's batched GEMM above the limit
+    row_invariant = True
+
+    def row_invariant_pack(self, p):
+        return dict(p, every_size=True)
+
+    @staticmethod
+    def _batched(p, x) -> bool:
+        """Whether ``x`` takes torch's batched GEMM over the panels (a prefill-sized step)."""
+        return not p.get("every_size") and _panel_rows(x) > NATIVE_F32_MAX_ROWS
 
     def host_problem(self, dtype=torch.float32, device=torch.device("cpu")):
         if native_gemm_available(dtype, device):
@@ -192,7 +203,7 @@ class NativeLinear(FloatMethod):
                 "unorder": None if order is None else torch.argsort(order)}
 
     def apply(self, p, x):
-        if _panel_rows(x) > NATIVE_F32_MAX_ROWS:
+        if self._batched(p, x):
             y = _panels_matmul(p, x)
         else:
             y = _native().gemm_f32(x, p["w"], p["bias"], p["n"])
@@ -201,7 +212,7 @@ class NativeLinear(FloatMethod):
 
     def apply_silu_mul(self, p, x):
         """``silu(gate) * up`` of a [gate; up] projection packed with ``silu_mul`` (``[..., n/2]``)."""
-        if _panel_rows(x) > NATIVE_F32_MAX_ROWS:
+        if self._batched(p, x):
             y = _panels_matmul(p, x)
             h = _native().SGEMM_PANEL // 2  # each panel: 16 gate columns, then their 16 up columns
             y = y.view(*y.shape[:-1], -1, 2, h)
@@ -234,6 +245,7 @@ class NativeBF16Linear(FloatMethod):
     name = "native_bf16"
     fused_kind = 7  # kLinBF16
     revision = 1  # 1: a row block's passes share the next panel's prefetch (AVX2, NEON)
+    row_invariant = True  # the panel kernel at every size, each output one k-ordered chain
 
     def host_problem(self, dtype=torch.float32, device=torch.device("cpu")):
         if native_bf16_gemm_available(dtype, device):

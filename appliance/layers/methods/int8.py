@@ -160,9 +160,15 @@ class W8A8Native(_W8A8):
     cache): 0.007 / 0.037 ms, ``w8a8_onednn`` 0.056 / 0.097 ms, F.linear fp32 0.047 / 0.22 ms."""
 
     name = "w8a8_native"
+    row_invariant = True  # integer sums of per-token codes; not with zero points (row_invariant_pack)
 
     def host_problem(self, dtype=torch.float32, device=torch.device("cpu")):
         return native_extension_problem()
+
+    def row_invariant_pack(self, p):
+        # a zero point's term is torch's addmm over the group sums (here and in the one-call stack),
+        # which blocks by the row count
+        return p if p["offset_t"] is None else None
 
     def takes(self, n, k, group_size):
         return native_w8_group(k, group_size) is not None

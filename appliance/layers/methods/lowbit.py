@@ -197,6 +197,8 @@ def _empty() -> torch.Tensor:
 
 class _LowBit(QuantMethod):
     bits: int
+    # integer sums of per-token codes, zero points and K-quant scales inside the kernel
+    row_invariant = True
 
     def host_problem(self, dtype=torch.float32, device=torch.device("cpu")):
         return native_extension_problem()
