@@ -101,6 +101,11 @@ def test_harness_under_qemu(arm_build, profile):
         # (BFDOT where the profile has BF16: v2, v1, max)
         for what in ("gemm_f32 grid", "gemm_bf16 x:f32", "gemm_bf16 x:bf16"):
             assert len(re.findall(rf"^PASS {v}\s+{what} M", r.stdout, re.M)) == 30, (v, what)
+        # --batch-invariant: every GEMM's rows the same bits computed one at a time (each case of more
+        # than one row above: the float grid's 26 per kernel, W8G's 7, low-bit 9 and K-quant 6)
+        for what, n in (("gemm_f32 grid", 26), ("gemm_bf16 x:f32", 26), ("gemm_bf16 x:bf16", 26), ("w8g", 7),
+                        ("wlow M", 9), ("wlow-kquant", 6)):
+            assert len(re.findall(rf"^PASS {v}\s+rows == alone {what}[ =]", r.stdout, re.M)) == n, (v, what)
 
 
 def disassemble(obj: Path) -> str:

@@ -88,6 +88,21 @@ void report(bool ok, const char* variant, const std::string& what, double err) {
   std::printf("%s %-10s %-58s max_abs_err=%.3g\n", ok ? "PASS" : "FAIL", variant, what.c_str(), err);
 }
 
+// A GEMM's rows the same bits computed one at a time as in the call's M rows (what --batch-invariant
+// takes from every GEMM variant: a row's output must not depend on the other rows or how many there
+// are). ``alone(m, out)`` computes row m by itself into out (n values).
+template <class T, class Alone>
+void check_rows_alone(const char* variant, const std::string& what, const std::vector<T>& batch, int M, int N,
+                      Alone alone) {
+  bool ok = true;
+  std::vector<T> one((size_t)N);
+  for (int m = 0; m < M && ok; ++m) {
+    alone(m, one.data());
+    ok = std::memcmp(one.data(), batch.data() + (size_t)m * N, (size_t)N * sizeof(T)) == 0;
+  }
+  report(ok, variant, "rows == alone " + what, 0);
+}
+
 // ------------------------------------------------------------------------------------------
 // attention
 
@@ -542,6 +557,11 @@ void check_w8g(const std::vector<const KernelTable*>& variants) {
                     c.extreme ? " extremes" : "");
       const bool ok = close_enough(out, ref, tol, 0, &err);  // before reading err
       report(ok, kt->name, what, err);
+      if (c.M > 1)
+        check_rows_alone(kt->name, what, out, c.M, c.N, [&](int m, float* o) {
+          W8GArgs one{x.data() + (size_t)m * c.K, 1, c.K, c.N, w.data(), ps.data(), pw.data(), c.G, c.m128, o};
+          kt->gemm_w8g_a8(one);
+        });
     }
   }
 }
@@ -627,6 +647,14 @@ void check_wlow(const std::vector<const KernelTable*>& variants) {
                     c.off ? " offsets" : "", c.extreme ? " extremes" : "");
       const bool ok = close_enough(out, ref, tol, 0, &err);
       report(ok, kt->name, what, err);
+      if (c.M > 1)
+        check_rows_alone(kt->name, what, out, c.M, c.N, [&](int m, float* o) {
+          WLowArgs one = a;
+          one.x = x.data() + (size_t)m * c.K;
+          one.M = 1;
+          one.out = o;
+          kt->gemm_wlow_a8(one);
+        });
     }
   }
 }
@@ -741,6 +769,14 @@ void check_wlow_kquant(const std::vector<const KernelTable*>& variants) {
                     c.bits, c.mins ? " mins" : "", c.extreme ? " extremes" : "");
       const bool ok = close_enough(out, ref, tol, 0, &err);
       report(ok, kt->name, what, err);
+      if (c.M > 1)
+        check_rows_alone(kt->name, what, out, c.M, c.N, [&](int m, float* o) {
+          WLowArgs one = a;
+          one.x = x.data() + (size_t)m * c.K;
+          one.M = 1;
+          one.out = o;
+          kt->gemm_wlow_a8(one);
+        });
     }
   }
 }
@@ -1154,6 +1190,10 @@ void check_gemm_grid(const std::vector<const KernelTable*>& variants) {
       std::snprintf(what, sizeof what, "gemm_f32 grid M=%d N=%d K=%d%s%s", c.M, c.N, c.K, c.bias ? " bias" : "",
                     c.large ? " large" : "");
       report_gemm(kt->name, what, ref, bound, 0, [&](size_t i) { return (double)out[i]; });
+      if (c.M > 1)
+        check_rows_alone(kt->name, what, out, c.M, c.N, [&](int m, float* o) {
+          kt->gemm_f32(x.data() + (size_t)m * c.K, 1, c.K, wp.data(), c.N, c.bias ? b.data() : nullptr, o, kSgemmNoAct);
+        });
     }
     // gemm_bf16: the weights rounded to bf16, packed in k pairs; x fp32, then x rounded to bf16 (bf16 out)
     std::vector<float> wr(w.size());
@@ -1171,6 +1211,10 @@ void check_gemm_grid(const std::vector<const KernelTable*>& variants) {
       std::snprintf(what, sizeof what, "gemm_bf16 x:f32 M=%d N=%d K=%d%s%s", c.M, c.N, c.K, c.bias ? " bias" : "",
                     c.large ? " large" : "");
       report_gemm(kt->name, what, ref, bound, 0, [&](size_t i) { return (double)out[i]; });
+      if (c.M > 1)
+        check_rows_alone(kt->name, what, out, c.M, c.N, [&](int m, float* o) {
+          kt->gemm_bf16(x.data() + (size_t)m * c.K, kF32, 1, c.K, bp.data(), c.N, c.bias ? b.data() : nullptr, o, kF32);
+        });
     }
     std::vector<uint16_t> xh(x.size());
     std::vector<float> xr(x.size());
@@ -1185,6 +1229,11 @@ void check_gemm_grid(const std::vector<const KernelTable*>& variants) {
       std::snprintf(what, sizeof what, "gemm_bf16 x:bf16 M=%d N=%d K=%d%s%s", c.M, c.N, c.K, c.bias ? " bias" : "",
                     c.large ? " large" : "");
       report_gemm(kt->name, what, ref, bound, std::ldexp(1.0, -8), [&](size_t i) { return (double)bf16_to_f32(out[i]); });
+      if (c.M > 1)
+        check_rows_alone(kt->name, what, out, c.M, c.N, [&](int m, uint16_t* o) {
+          kt->gemm_bf16(xh.data() + (size_t)m * c.K, kBF16, 1, c.K, bp.data(), c.N, c.bias ? b.data() : nullptr, o,
+                        kBF16);
+        });
     }
   }
 }
