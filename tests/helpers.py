@@ -187,6 +187,30 @@ def run_capturing_logits(model, ids, params, cfg: dict, stagger: int = 0):
     return outs, {k: [r for toks, r in v if toks == final[k[0]][:len(toks)]] for k, v in rows.items()}
 
 
+def logits_one_at_a_time(model, ids, params, cfg: dict):
+    """Each prompt alone through an engine of ``cfg``: (outputs, {(request index as str, position):
+    [logits rows]}), the reference of the schedule tests."""
+    outs, rows = [], {}
+    for i, p in enumerate(ids):
+        o, r = run_capturing_logits(model, [p], params, cfg)
+        outs.append(o[0])
+        rows.update({(str(i), pos): v for (_, pos), v in r.items()})
+    return outs, rows
+
+
+def assert_logits_rows_equal(rows: dict, ref_rows: dict, outs, what) -> None:
+    """Every captured logits row bit for bit the reference's at its position, and every output position
+    compared at least once (rows at each prompt's last token included)."""
+    compared = 0
+    for key, found in rows.items():
+        for row in found:
+            assert key in ref_rows, key
+            assert torch.equal(row, ref_rows[key][0]), (*what, key,
+                                                        (row.float() - ref_rows[key][0].float()).abs().max().item())
+            compared += 1
+    assert compared >= sum(len(o) for o in outs)
+
+
 def kquant_reference(x: torch.Tensor, qweight: torch.Tensor, t: dict) -> torch.Tensor:
     """fp64 reference of the kernel's math on the file's weights: the activations quantized per token
     (``quant_act_asym``) meet ``d sc q``; the offset ``d sc shift - dmin mn`` meets the float

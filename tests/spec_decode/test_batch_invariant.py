@@ -15,7 +15,7 @@ from appliance.config import EngineConfig
 from appliance.errors import InvalidRequestError
 from appliance.layers import linear
 from appliance.layers.methods import floating
-from helpers import run_capturing_logits
+from helpers import assert_logits_rows_equal, logits_one_at_a_time, run_capturing_logits
 
 REPEAT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France. " * 3
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -78,15 +78,10 @@ def references(models):
     paths, ids = models
     cache = {}
 
-    def get(setup):
+    def get(setup):  # one request at a time, each prompt in one step
         if setup not in cache:
             cfg = dict(SETUPS[setup], batch_invariant=True, enable_prefix_caching=False)
-            outs, rows = [], {}
-            for i, p in enumerate(ids):  # one request at a time, each prompt in one step
-                o, r = run_capturing_logits(_model(paths, setup), [p], GREEDY, cfg)
-                outs.append(o[0])
-                rows.update({(str(i), pos): v for (_, pos), v in r.items()})
-            cache[setup] = outs, rows
+            cache[setup] = logits_one_at_a_time(_model(paths, setup), ids, GREEDY, cfg)
         return cache[setup]
 
     return get
@@ -99,14 +94,7 @@ def test_logits_bits_do_not_depend_on_the_schedule(models, references, setup, sc
     outs, rows = run_capturing_logits(_model(paths, setup), ids, GREEDY,
                                       dict(SETUPS[setup], batch_invariant=True, **SCHEDULES[schedule]), stagger=2)
     assert outs == ref_outs
-    compared = 0
-    for key, found in rows.items():
-        for row in found:
-            assert key in ref_rows, key
-            assert torch.equal(row, ref_rows[key][0]), (setup, schedule, key,
-                                                        (row.float() - ref_rows[key][0].float()).abs().max().item())
-            compared += 1
-    assert compared >= sum(len(o) for o in outs)
+    assert_logits_rows_equal(rows, ref_rows, outs, (setup, schedule))
 
 
 def test_prefill_sized_steps_stay_on_the_panel_kernel(models, monkeypatch):

@@ -12,10 +12,9 @@ kernel variant the host (or APPLIANCE_KERNELS) selects."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from appliance import SamplingParams
-from helpers import run_capturing_logits
+from helpers import assert_logits_rows_equal, logits_one_at_a_time, run_capturing_logits
 
 REPEAT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France. " * 3
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -58,15 +57,10 @@ def references(model_and_prompts):
     model, ids = model_and_prompts
     cache = {}
 
-    def get(setup):
+    def get(setup):  # one request at a time
         if setup not in cache:
-            cfg = dict(SETUPS[setup], enable_prefix_caching=False)
-            outs, rows = [], {}
-            for i, p in enumerate(ids):  # one request at a time
-                o, r = run(model, [p], cfg)
-                outs.append(o[0])
-                rows.update({(str(i), pos): v for (_, pos), v in r.items()})
-            cache[setup] = outs, rows
+            cache[setup] = logits_one_at_a_time(model, ids, GREEDY, {"dtype": "float32", **SETUPS[setup],
+                                                                     "enable_prefix_caching": False})
         return cache[setup]
 
     return get
@@ -100,12 +94,4 @@ def test_logits_bits_do_not_depend_on_the_schedule(model_and_prompts, references
     ref_outs, ref_rows = references(setup)
     outs, rows = run(model, ids, dict(SETUPS[setup], **SCHEDULES[schedule]), stagger=2)
     assert outs == ref_outs
-    compared = 0
-    for key, found in rows.items():
-        for row in found:
-            assert key in ref_rows, key
-            assert torch.equal(row, ref_rows[key][0]), (setup, schedule, key,
-                                                        (row - ref_rows[key][0]).abs().max().item())
-            compared += 1
-    # every output position was compared at least once (rows at the prompt's last token included)
-    assert compared >= sum(len(o) for o in outs)
+    assert_logits_rows_equal(rows, ref_rows, outs, (setup, schedule))

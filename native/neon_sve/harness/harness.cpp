@@ -566,6 +566,14 @@ void check_w8g(const std::vector<const KernelTable*>& variants) {
   }
 }
 
+// Row m of a gemm_wlow_a8 call computed by itself into o.
+void wlow_row_alone(const KernelTable* kt, WLowArgs a, int m, float* o) {
+  a.x += (size_t)m * a.K;
+  a.M = 1;
+  a.out = o;
+  kt->gemm_wlow_a8(a);
+}
+
 // ------------------------------------------------------------------------------------------
 // Low-bit weights (gemm_wlow_a8, 4, 5 and 6 bits, with and without offsets) against a double-precision
 // reference of the same quantized math. Extremes: every weight at the top or bottom of its range and
@@ -648,13 +656,7 @@ void check_wlow(const std::vector<const KernelTable*>& variants) {
       const bool ok = close_enough(out, ref, tol, 0, &err);
       report(ok, kt->name, what, err);
       if (c.M > 1)
-        check_rows_alone(kt->name, what, out, c.M, c.N, [&](int m, float* o) {
-          WLowArgs one = a;
-          one.x = x.data() + (size_t)m * c.K;
-          one.M = 1;
-          one.out = o;
-          kt->gemm_wlow_a8(one);
-        });
+        check_rows_alone(kt->name, what, out, c.M, c.N, [&](int m, float* o) { wlow_row_alone(kt, a, m, o); });
     }
   }
 }
@@ -770,13 +772,7 @@ void check_wlow_kquant(const std::vector<const KernelTable*>& variants) {
       const bool ok = close_enough(out, ref, tol, 0, &err);
       report(ok, kt->name, what, err);
       if (c.M > 1)
-        check_rows_alone(kt->name, what, out, c.M, c.N, [&](int m, float* o) {
-          WLowArgs one = a;
-          one.x = x.data() + (size_t)m * c.K;
-          one.M = 1;
-          one.out = o;
-          kt->gemm_wlow_a8(one);
-        });
+        check_rows_alone(kt->name, what, out, c.M, c.N, [&](int m, float* o) { wlow_row_alone(kt, a, m, o); });
     }
   }
 }
