@@ -88,7 +88,7 @@ def references(models):
 
 
 @pytest.mark.parametrize("setup,schedule", CASES)
-def test_logits_bits_do_not_depend_on_the_schedule(models, references, setup, schedule, monkeypatch):
+def test_logits_bits_do_not_depend_on_the_schedule(models, references, setup, schedule):
     paths, ids = models
     ref_outs, ref_rows = references(setup)
     outs, rows = run_capturing_logits(_model(paths, setup), ids, GREEDY,
