@@ -28,7 +28,7 @@ def prefill_tok_s(llm, prompts: list[list[int]]) -> float:
 
 def main() -> None:
     from appliance import LLM
-    from appliance.bench.common import new_record
+    from appliance.bench.common import new_record, parse_engine_args
     from appliance.bench.spec import run_requests
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -40,10 +40,7 @@ def main() -> None:
     ap.add_argument("-e", "--engine-arg", action="append", default=[], help="EngineConfig field NAME=VALUE")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    kw = {}
-    for pair in a.engine_arg:
-        k, _, v = pair.partition("=")
-        kw[k] = v
+    kw = parse_engine_args(a.engine_arg)  # typed as EngineConfig declares them
     engines = {mode: LLM(a.model, enable_prefix_caching=False, batch_invariant=mode == "invariant", **kw)
                for mode in ("default", "invariant")}
     vocab = engines["default"].engine.vocab_size

@@ -9,9 +9,10 @@ aggregate is all output tokens over the wall time. A request ends at its end of 
 ``max_tokens``, as a user's would: SmolLM2-135M's rewrite in the edit workload ends after ~70 tokens,
 and with ``ignore_eos`` (every run before 2026-12-05 16:00 UTC) the rest of its 128 tokens was a
 conversation turn the model made up after its own (``<|im_end|><|im_start|>user\nI am a
-30-year-old...``): open-ended text counted as "edit". ``--ignore-eos`` keeps that measure. Greedy, so every setting emits the same tokens.
-At concurrency 1 each row also gives the target's step time by tokens in the step (``step_ms``: 1 is
-a decode step, 2..k+1 a verify chunk), so what a rejected draft costs is on the same line.
+30-year-old...``): open-ended text counted as "edit". ``--ignore-eos`` keeps that measure. Greedy,
+so every setting emits the same tokens. At concurrency 1 each row also gives the target's step time
+by tokens in the step (``step_ms``: 1 is a decode step, 2..k+1 a verify chunk), so what a rejected
+draft costs is on the same line.
 
 Why the first results (bench/results/spec.txt, 28-32 tok/s without speculation) were far below the
 served figure (TPOT 9.9 ms, ~100 tok/s, compare_default_model.txt): bench/bench_spec.py called the CLI
@@ -196,7 +197,8 @@ def run_bench(model: str | None, draft: str | None, settings: list[str], workloa
             kw["speculative_config"]["cost_aware"] = False
         llm = LLM(model, **kw)
         ref_tokens = {}
-        run_requests(llm, [prompt_ids(llm, workloads[0])], 4, ignore_eos=True)  # warm-up: first calls of each shape are slow
+        # warm-up: first calls of each shape are slow
+        run_requests(llm, [prompt_ids(llm, workloads[0])], 4, ignore_eos=True)
         for w in workloads:
             ids = prompt_ids(llm, w)
             if prompts_out is not None:
