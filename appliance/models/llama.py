@@ -365,7 +365,7 @@ def cached_fused_plan(model: nn.Module):
         built = None if scales is None else model._build_fused_plan(ctx.kv_caches)
         # a native float layer that leaves prefill-sized steps to torch's batched GEMM (not one packed
         # for every size by --batch-invariant)
-        native_f32 = built is not None and any(m.backend == "native" and not m.packed.get("every_size")
+        native_f32 = built is not None and any(m.backend == "native" and not m.method.every_size(m.packed)
                                                for i in range(len(model.model.layers)) for m in model._linears(i))
         plan = (key, built, scales, native_f32)
         model.__dict__["_fused_plan"] = plan

@@ -179,9 +179,14 @@ class NativeLinear(FloatMethod):
         return dict(p, every_size=True)
 
     @staticmethod
-    def _batched(p, x) -> bool:
+    def every_size(p) -> bool:
+        """Whether a layer packed as ``p`` keeps the panel kernel at every row count."""
+        return bool(p.get("every_size"))
+
+    @classmethod
+    def _batched(cls, p, x) -> bool:
         """Whether ``x`` takes torch's batched GEMM over the panels (a prefill-sized step)."""
-        return not p.get("every_size") and _panel_rows(x) > NATIVE_F32_MAX_ROWS
+        return not cls.every_size(p) and _panel_rows(x) > NATIVE_F32_MAX_ROWS
 
     def host_problem(self, dtype=torch.float32, device=torch.device("cpu")):
         if native_gemm_available(dtype, device):
